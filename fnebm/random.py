@@ -1,0 +1,259 @@
+"""Keys as tensors: counter-based Philox4x32-10 in pure integer tensor ops.
+
+A key is an ``int64`` tensor of shape ``(..., 2)`` holding two 32-bit words
+``(k0, k1)``, each in ``[0, 2**32)``. Nothing here touches the global RNG: the same key
+gives the same numbers eager or compiled, on one chain or vmapped over many, on any
+device. Leading dimensions of a key are batch dimensions and work elementwise, so
+``normal(keys, shape)`` for ``keys: (n, 2)`` equals ``vmap(lambda k: normal(k, shape))(keys)``.
+
+The stream is Triton's ``tl.randint4x`` / ``tl.randn4x`` (Philox4x32-10 as in Random123),
+so a Triton kernel reproduces :func:`normal` and :func:`uniform` for the same key:
+
+* **seed**: ``seed = k0 | (k1 << 32)`` as a 64-bit integer (:func:`triton_seed` gives it as a
+  signed ``int64``), so Triton's Philox key words are ``(seed_lo, seed_hi) = (k0, k1)``.
+* **offset and lane**: a draw of ``n`` numbers uses ``m = ceil(n / 4)`` Philox blocks with
+  counters ``(b_lo, b_hi, 0, 0)`` for ``b in range(m)`` — Triton's ``randint4x(seed, b)``.
+  Element ``i`` of the flattened output is lane ``i // m`` of block ``i % m`` (a planar
+  layout: a kernel that computes block ``b`` writes lanes to ``b, b + m, b + 2m, b + 3m``).
+* **uniform**: ``tl.uint_to_uniform_float``: the word is read as an ``int32`` ``x``, then
+  ``x < 0 -> -x - 1`` and ``u = x * 4.6566127342e-10`` in float32 (31 random bits, ``u`` in
+  ``[0, 1)``). float64 outputs use the same bits scaled by ``2**-31`` in float64.
+* **normal**: ``tl.pair_uniform_to_normal`` (Box–Muller) on lanes (0, 1) and (2, 3):
+  ``u1 = max(u1, 1e-7)``, ``r = sqrt(-2 log u1)``, ``th = 2 pi u2``; lanes get
+  ``(r cos th, r sin th)``. The floor on ``u1`` truncates the tails at about 5.7 sigma
+  (probability 1.3e-8).
+
+Derived keys never collide with draws: :func:`split` and :func:`fold_in` use counters whose
+third word is a non-zero tag, while draws always have it zero.
+
+The 32x32 -> 64-bit products Philox needs are computed exactly in ``int64`` (no signed
+overflow), so the stream is bit-identical on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "key",
+    "split",
+    "fold_in",
+    "bits",
+    "uniform",
+    "normal",
+    "bernoulli",
+    "philox4x32",
+    "triton_seed",
+    "check_key",
+]
+
+_M32 = 0xFFFFFFFF
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUNDS = 10
+# Third counter word of derived keys; draws use 0 there, so the domains are disjoint.
+_SPLIT_TAG = 0x73706C74  # "splt"
+_FOLD_TAG = 0x666F6C64  # "fold"
+_UNIFORM_SCALE = 4.6566127342e-10  # Triton's: largest with (2**31 - 1) * scale < 1 in float32
+_NORMAL_FLOOR = 1.0e-7
+
+
+def check_key(key: torch.Tensor, name: str = "key") -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``key`` is an int64 tensor of shape ``(..., 2)``.
+
+    Looks at metadata only (dtype and shape), so it costs nothing under ``torch.compile``.
+    """
+    if not isinstance(key, torch.Tensor):
+        raise TypeError(f"{name} must be a key tensor from fnebm.random.key(seed), got {type(key).__name__}")
+    if key.dtype != torch.int64:
+        raise TypeError(f"{name} must have dtype torch.int64 (a key from fnebm.random.key), got {key.dtype}")
+    if key.ndim == 0 or key.shape[-1] != 2:
+        raise ValueError(f"{name} must have shape (..., 2) (two 32-bit words per key), got {tuple(key.shape)}")
+
+
+def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Make a key from an integer seed: ``(2,)`` int64 tensor ``(seed & 0xFFFFFFFF, seed >> 32)``.
+
+    ``seed`` is any integer in ``[-2**63, 2**64)``; negative seeds are read as two's complement.
+    """
+    if isinstance(seed, bool):
+        raise TypeError("seed must be an integer, got bool")
+    try:
+        seed = operator.index(seed)  # also numpy integers and 0-dim integer tensors
+    except TypeError:
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    seed &= 2**64 - 1
+    return torch.tensor([seed & _M32, seed >> 32], dtype=torch.int64, device=device)
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Exact 32x32 -> 64-bit product in int64: (a >> 1) * m < 2**63 never overflows.
+    q = (a >> 1) * m
+    t = ((q & 0x7FFFFFFF) << 1) + (a & 1) * m
+    return (q >> 31) + (t >> 32), t & _M32
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
+    """Philox4x32 (Random123) on int64 tensors holding 32-bit words; broadcasts its inputs.
+
+    Returns the four output words. With ``rounds=10`` this is ``philox4x32_10`` and Triton's
+    ``tl.philox(seed, c0, c1, c2, c3)`` with ``seed = k0 | k1 << 32``.
+    """
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(c0, _ROUND_A)
+        hi1, lo1 = _mulhilo(c2, _ROUND_B)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _KEY_A) & _M32
+        k1 = (k1 + _KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def _key_words(key: torch.Tensor, extra_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Split (..., 2) into two (..., 1, ..., 1) word tensors that broadcast against counters.
+    k0, k1 = key[..., 0], key[..., 1]
+    new_shape = k0.shape + (1,) * extra_dims
+    return k0.reshape(new_shape), k1.reshape(new_shape)
+
+
+def _blocks(key: torch.Tensor, n_blocks: int, c2: int = 0) -> tuple[torch.Tensor, ...]:
+    """Philox blocks ``b = 0 .. n_blocks-1`` under ``key``: four ``(*batch, n_blocks)`` word tensors."""
+    check_key(key)
+    b = torch.arange(n_blocks, dtype=torch.int64, device=key.device)
+    k0, k1 = _key_words(key, 1)
+    zero = torch.zeros_like(b)
+    c2 = zero if c2 == 0 else zero + c2
+    return philox4x32(b & _M32, b >> 32, c2, zero, k0, k1)
+
+
+def _planar(lanes: Sequence[torch.Tensor], key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    # Element i is lane i // m of block i % m (see the module docstring).
+    n = math.prod(shape)
+    out = torch.stack(tuple(lanes), dim=-2).flatten(-2)[..., :n]
+    return out.reshape(key.shape[:-1] + shape)
+
+
+def _as_shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape must have non-negative sizes, got {shape}")
+    return shape
+
+
+def _check_float(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
+
+
+def bits(key: torch.Tensor, shape: int | Sequence[int] = ()) -> torch.Tensor:
+    """Random 32-bit words, as int64 in ``[0, 2**32)``: ``(*key.shape[:-1], *shape)``."""
+    shape = _as_shape(shape)
+    n_blocks = -(-math.prod(shape) // 4)
+    return _planar(_blocks(key, n_blocks), key, shape)
+
+
+def _to_unit(word: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Triton's uint_to_uniform_float: the word as int32, negative x -> -x - 1, times 2**-31.
+    x = torch.where(word >= 2**31, (2**32 - 1) - word, word)
+    if dtype == torch.float64:
+        return x.to(torch.float64) * 2.0**-31
+    return (x.to(torch.float32) * _UNIFORM_SCALE).to(dtype)
+
+
+def uniform(
+    key: torch.Tensor,
+    shape: int | Sequence[int] = (),
+    dtype: torch.dtype = torch.float32,
+    minval: float | torch.Tensor = 0.0,
+    maxval: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Uniform draws on ``[minval, maxval)``: ``(*key.shape[:-1], *shape)`` of ``dtype``."""
+    _check_float(dtype)
+    shape = _as_shape(shape)
+    n_blocks = -(-math.prod(shape) // 4)
+    u = _planar([_to_unit(w, dtype) for w in _blocks(key, n_blocks)], key, shape)
+    if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
+        return u
+    return minval + (maxval - minval) * u
+
+
+def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard normal draws: ``(*key.shape[:-1], *shape)`` of ``dtype`` (Box–Muller, as Triton)."""
+    _check_float(dtype)
+    shape = _as_shape(shape)
+    n_blocks = -(-math.prod(shape) // 4)
+    # Box–Muller in at least float32, as Triton computes it.
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    u0, u1, u2, u3 = (_to_unit(w, work) for w in _blocks(key, n_blocks))
+    lanes = []
+    for a, b in ((u0, u1), (u2, u3)):
+        r = torch.sqrt(-2.0 * torch.log(torch.clamp_min(a, _NORMAL_FLOOR)))
+        th = (2 * math.pi) * b
+        lanes += [r * torch.cos(th), r * torch.sin(th)]
+    return _planar(lanes, key, shape).to(dtype)
+
+
+def bernoulli(key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: int | Sequence[int] | None = None) -> torch.Tensor:
+    """Boolean draws, True with probability ``p``; ``shape`` defaults to ``p``'s shape."""
+    p = torch.as_tensor(p, device=key.device)
+    if not p.dtype.is_floating_point:
+        p = p.to(torch.float32)
+    shape = tuple(p.shape) if shape is None else _as_shape(shape)
+    return uniform(key, shape, dtype=p.dtype) < p
+
+
+def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
+    """``num`` new independent keys: ``(*key.shape[:-1], num, 2)``.
+
+    For a single key ``k1, k2 = split(key)`` unpacks; for a batch of keys the new axis comes
+    after the batch axes, so the result equals ``vmap(split)(keys)``.
+    """
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"num must be a positive int, got {num!r}")
+    w0, w1, _, _ = _blocks(key, num, c2=_SPLIT_TAG)
+    return torch.stack((w0, w1), dim=-1)
+
+
+def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
+    """A new key from ``key`` and an integer ``data`` (e.g. a step index): shape of the broadcast.
+
+    ``data`` is an int or an integer tensor (read as 64-bit); it broadcasts against the key's
+    batch dimensions. Distinct data give independent keys.
+    """
+    check_key(key)
+    if isinstance(data, torch.Tensor):
+        if data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
+            raise TypeError(f"data must be an integer or integer tensor, got dtype {data.dtype}")
+        data = data.to(device=key.device, dtype=torch.int64)
+    elif isinstance(data, bool) or not isinstance(data, int):
+        raise TypeError(f"data must be an integer or integer tensor, got {type(data).__name__}")
+    elif not -(2**63) <= data < 2**63:
+        raise ValueError(f"data must fit in int64, got {data}")
+    else:
+        data = torch.tensor(data, dtype=torch.int64, device=key.device)
+    d_lo = data & _M32
+    d_hi = (data >> 32) & _M32
+    zero = torch.zeros_like(d_lo)
+    k0, k1 = key[..., 0], key[..., 1]
+    w0, w1, _, _ = philox4x32(d_lo, d_hi, zero + _FOLD_TAG, zero, k0, k1)
+    return torch.stack((w0, w1), dim=-1)
+
+
+def triton_seed(key: torch.Tensor) -> torch.Tensor:
+    """The 64-bit Philox seed ``k0 | k1 << 32`` as a signed int64 tensor ``(*key.shape[:-1],)``.
+
+    Pass it to a Triton kernel; ``tl.randint4x(seed, b)`` then gives this key's block ``b``.
+    """
+    check_key(key)
+    k0, k1 = key[..., 0], key[..., 1]
+    hi = torch.where(k1 >= 2**31, k1 - 2**32, k1)
+    return hi * 2**32 + k0
