@@ -1,0 +1,341 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import distributions as D
+from torch import nn
+
+from fnebm import energies as E
+from fnebm.gradients import score, value_and_grad
+
+F64 = torch.float64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _spd(d: int, seed: int) -> torch.Tensor:
+    a = torch.randn(d, d, generator=_gen(seed), dtype=F64)
+    return a @ a.T + d * torch.eye(d, dtype=F64)
+
+
+def make(family: str, d: int) -> E.Energy:
+    """One energy per family at dimension ``d``, float64, from fixed seeds."""
+    g = _gen(d)
+    if family == "gaussian_full":
+        return E.gaussian(torch.randn(d, generator=g, dtype=F64), _spd(d, d))
+    if family == "gaussian_diag":
+        return E.gaussian(torch.randn(d, generator=g, dtype=F64), torch.rand(d, generator=g, dtype=F64) + 0.5)
+    if family == "gaussian_precision":
+        return E.gaussian(torch.zeros(d, dtype=F64), precision=_spd(d, d + 1))
+    if family == "mixture":
+        k = 3
+        return E.gaussian_mixture(
+            2 * torch.randn(k, d, generator=g, dtype=F64),
+            torch.rand(k, d, generator=g, dtype=F64) + 0.5,
+            torch.rand(k, generator=g, dtype=F64) + 0.1,
+        )
+    if family == "mixture_iso":
+        return E.gaussian_mixture(torch.randn(2, d, generator=g, dtype=F64), torch.tensor([0.7, 1.3], dtype=F64))
+    return {
+        "double_well": lambda: E.double_well(1.5, 0.8, dtype=F64),
+        "rosenbrock": lambda: E.rosenbrock(dtype=F64),
+        "harmonic": lambda: E.harmonic(2.5, dtype=F64),
+        "rastrigin": lambda: E.rastrigin(dtype=F64),
+        "ackley": lambda: E.ackley(dtype=F64),
+    }[family]()
+
+
+FAMILIES = [
+    "gaussian_full", "gaussian_diag", "gaussian_precision", "mixture", "mixture_iso",
+    "double_well", "rosenbrock", "harmonic", "rastrigin", "ackley",
+]
+
+
+@st.composite
+def points(draw, n=None):
+    """(family dim, x) with x: (d,) or (n, d), float64 in [-3, 3]."""
+    d = draw(st.integers(2, 4))
+    shape = (d,) if n is None else (n, d)
+    vals = draw(st.lists(st.floats(-3, 3), min_size=math.prod(shape), max_size=math.prod(shape)))
+    return d, torch.tensor(vals, dtype=F64).reshape(shape)
+
+
+# -------------------------------------------------------------------- gradients, batching
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=20, deadline=None)
+@given(dx=points())
+def test_closed_form_grad_matches_autograd(family, dx):
+    d, x = dx
+    e = make(family, d)
+    torch.testing.assert_close(e.grad(x), torch.func.grad(e)(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=5, deadline=None)
+@given(dx=points(n=4))
+def test_vmap_equals_loop(family, dx):
+    d, xs = dx
+    e = make(family, d)
+    torch.testing.assert_close(torch.func.vmap(e)(xs), torch.stack([e(x) for x in xs]))
+    torch.testing.assert_close(torch.func.vmap(e.grad)(xs), torch.stack([e.grad(x) for x in xs]))
+    assert e(xs[0]).shape == ()
+
+
+# --------------------------------------------------------------------- reference values
+
+
+def test_gaussian_matches_multivariate_normal_up_to_constant():
+    mean = torch.tensor([0.5, -1.0, 2.0], dtype=F64)
+    cov = _spd(3, 0)
+    e = E.gaussian(mean, cov)
+    mvn = D.MultivariateNormal(mean, covariance_matrix=cov)
+    xs = torch.randn(5, 3, generator=_gen(1), dtype=F64)
+    energies = torch.func.vmap(e)(xs)
+    torch.testing.assert_close(energies - energies[0], -(mvn.log_prob(xs) - mvn.log_prob(xs[0])))
+    assert e(mean) == 0
+
+
+def test_gaussian_forms_agree():
+    mean = torch.tensor([1.0, -2.0, 0.0], dtype=F64)
+    var = torch.tensor([0.5, 2.0, 3.0], dtype=F64)
+    forms = [
+        E.gaussian(mean, cov=var),
+        E.gaussian(mean, cov=torch.diag(var)),
+        E.gaussian(mean, precision=1 / var),
+        E.gaussian(mean, precision=torch.diag(1 / var)),
+    ]
+    xs = torch.randn(6, 3, generator=_gen(2), dtype=F64)
+    ref = torch.func.vmap(forms[0])(xs)
+    for e in forms[1:]:
+        torch.testing.assert_close(torch.func.vmap(e)(xs), ref)
+        torch.testing.assert_close(torch.func.vmap(e.grad)(xs), torch.func.vmap(forms[0].grad)(xs))
+    full = _spd(3, 3)
+    torch.testing.assert_close(
+        torch.func.vmap(E.gaussian(mean, cov=full))(xs),
+        torch.func.vmap(E.gaussian(mean, precision=torch.linalg.inv(full)))(xs),
+    )
+    ident = E.gaussian(mean)
+    torch.testing.assert_close(ident(xs[0]), 0.5 * ((xs[0] - mean) ** 2).sum())
+
+
+@pytest.mark.parametrize("family", ["mixture", "mixture_iso"])
+def test_mixture_equals_mixture_same_family(family):
+    e = make(family, 3)
+    comp = D.Independent(D.Normal(e.means, e.scales), 1)
+    ref = D.MixtureSameFamily(D.Categorical(probs=e.weights), comp)
+    xs = 2 * torch.randn(8, 3, generator=_gen(3), dtype=F64)
+    torch.testing.assert_close(torch.func.vmap(e)(xs), -ref.log_prob(xs))
+
+
+def test_mixture_weights_normalised_and_default_uniform():
+    means = torch.tensor([[0.0, 0.0], [3.0, 3.0]], dtype=F64)
+    scaled = E.gaussian_mixture(means, torch.ones(2, dtype=F64), torch.tensor([2.0, 6.0], dtype=F64))
+    torch.testing.assert_close(scaled.weights, torch.tensor([0.25, 0.75], dtype=F64))
+    uniform = E.gaussian_mixture(means, torch.ones(2, dtype=F64))
+    torch.testing.assert_close(uniform.weights, torch.tensor([0.5, 0.5], dtype=F64))
+
+
+def test_double_well_known_values():
+    h, b, d = 1.5, 0.8, 3
+    e = E.double_well(h, b, dtype=F64)
+    torch.testing.assert_close(e(torch.zeros(d, dtype=F64)), torch.tensor(h * d * b**4, dtype=F64))
+    torch.testing.assert_close(e(torch.full((d,), -b, dtype=F64)), torch.tensor(0.0, dtype=F64))
+    default = E.double_well(dtype=F64)  # h=2, b=1
+    torch.testing.assert_close(default(torch.tensor([2.0, 0.0], dtype=F64)), torch.tensor(20.0, dtype=F64))
+
+
+def test_other_families_known_values():
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    torch.testing.assert_close(E.harmonic(2.0, dtype=F64)(x), torch.tensor(5.0, dtype=F64))
+    torch.testing.assert_close(E.rosenbrock(dtype=F64)(x), torch.tensor(100.0 * (2 - 1) ** 2, dtype=F64))
+    assert E.rosenbrock(dtype=F64)(torch.ones(4, dtype=F64)) == 0
+    assert E.rastrigin(dtype=F64)(torch.zeros(3, dtype=F64)) == 0
+    torch.testing.assert_close(E.ackley(dtype=F64)(torch.zeros(3, dtype=F64)), torch.tensor(0.0, dtype=F64))
+
+
+def test_ackley_finite_with_zero_gradient_at_origin():
+    for dtype in (torch.float32, F64):
+        e, x = E.ackley(dtype=dtype), torch.zeros(4, dtype=dtype)
+        assert torch.isfinite(e(x))
+        for g in (torch.func.grad(e)(x), e.grad(x)):
+            assert torch.equal(g, torch.zeros_like(x))
+
+
+# ------------------------------------------------------------------------- dtype, device
+
+
+def test_dtype_device_and_to():
+    e = E.harmonic()
+    assert e.dtype == torch.get_default_dtype() and e.device == torch.device("cpu")
+    e64 = e.to(dtype=F64)
+    assert e64.dtype == F64 and e64.k.dtype == F64 and e.dtype == torch.get_default_dtype()
+    g = E.gaussian(torch.zeros(2, dtype=F64), _spd(2, 0))
+    assert g.dtype == F64
+    g32 = g.to(dtype=torch.float32)
+    assert all(t.dtype == torch.float32 for t in (g32.mean, g32.precision, g32.precision_tril))
+    assert E.gaussian(torch.zeros(2, dtype=torch.int64)).dtype == torch.get_default_dtype()
+    assert E.gaussian([0.0, 1.0], dtype=F64).dtype == F64
+    assert E.rastrigin(torch.tensor(3.0, dtype=F64)).dtype == F64
+    assert E.ackley(device="cpu").device == torch.device("cpu")
+
+
+def test_dim_and_check_dim():
+    assert make("gaussian_full", 3).dim == 3 and make("mixture", 2).dim == 2
+    assert E.harmonic().dim is None and E.rosenbrock().dim is None
+    E.harmonic().check_dim(1)
+    E.rosenbrock().check_dim(2)
+    with pytest.raises(ValueError, match="rosenbrock takes dim >= 2"):
+        E.rosenbrock().check_dim(1)
+    with pytest.raises(ValueError, match="gaussian takes dim == 3"):
+        make("gaussian_diag", 3).check_dim(4)
+    with pytest.raises(ValueError, match="gaussian_mixture takes dim == 2"):
+        make("mixture", 2).check_dim(3)
+    with pytest.raises(ValueError, match="dim must be >= 1"):
+        E.harmonic().check_dim(0)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        E.harmonic().check_dim("3")
+
+
+# ------------------------------------------------------------------------ neural energies
+
+
+def _mlp(out: int = 1) -> nn.Module:
+    # skip_init: the default init would draw from the global RNG
+    net = nn.Sequential(
+        nn.utils.skip_init(nn.Linear, 3, 8, dtype=F64), nn.Tanh(), nn.utils.skip_init(nn.Linear, 8, out, dtype=F64)
+    )
+    g = _gen(4)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=F64))
+    return net
+
+
+def test_from_module_energy_and_param_grad():
+    net = _mlp()
+    energy_fn, params = E.from_module(net)
+    assert set(params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert not any(p.requires_grad for p in params.values())
+    xs = torch.randn(4, 3, generator=_gen(5), dtype=F64)
+    out = energy_fn(params, xs[0])
+    assert out.shape == ()
+    torch.testing.assert_close(out, net(xs[0][None]).squeeze())
+    torch.testing.assert_close(torch.func.vmap(energy_fn, in_dims=(None, 0))(params, xs), net(xs).squeeze(-1))
+
+    param_grads = torch.func.grad(energy_fn)(params, xs[0])
+    ref = torch.autograd.grad(net(xs[0][None]).squeeze(), list(net.parameters()))
+    for (name, _), r in zip(net.named_parameters(), ref):
+        torch.testing.assert_close(param_grads[name], r)
+
+
+def test_from_module_includes_buffers_and_rejects_vector_output():
+    net = nn.Sequential(_mlp(), nn.BatchNorm1d(1, dtype=F64).eval())
+    _, params = E.from_module(net)
+    assert "1.running_mean" in params
+    energy_fn, params = E.from_module(_mlp(out=2))
+    with pytest.raises(ValueError, match="one energy per sample"):
+        energy_fn(params, torch.zeros(3, dtype=F64))
+
+
+def test_bind():
+    net = _mlp()
+    energy_fn, params = E.from_module(net)
+    e = E.bind(energy_fn, params)
+    x = torch.tensor([0.1, -0.2, 0.3], dtype=F64)
+    assert e.dtype == F64 and e.device == torch.device("cpu") and e.dim is None
+    torch.testing.assert_close(e(x), energy_fn(params, x))
+    assert torch.func.grad(e)(x).shape == (3,)
+    assert e.to(dtype=torch.float32).dtype == torch.float32
+    assert E.bind(lambda p, x: (x * x).sum(), {}).dtype is None
+
+
+# --------------------------------------------------------------------- gradient helpers
+
+
+def test_value_and_grad_and_score():
+    e = E.harmonic(2.0, dtype=F64)
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    value, grad = value_and_grad(e)(x)
+    torch.testing.assert_close(value, e(x))
+    torch.testing.assert_close(grad, 2.0 * x)
+    torch.testing.assert_close(score(e)(x), -2.0 * x)
+    xs = torch.randn(5, 3, generator=_gen(6), dtype=F64)
+    values, grads = torch.func.vmap(value_and_grad(e))(xs)
+    torch.testing.assert_close(values, torch.func.vmap(e)(xs))
+    torch.testing.assert_close(grads, torch.func.vmap(e.grad)(xs))
+    torch.testing.assert_close(torch.func.vmap(score(e))(xs), -grads)
+
+
+@pytest.mark.compile
+def test_compiled_vmapped_value_and_grad_matches_eager():
+    xs = torch.randn(6, 3, generator=_gen(7), dtype=F64)
+    for e in (make("gaussian_full", 3), make("mixture", 3)):
+        eager = torch.func.vmap(value_and_grad(e))
+        compiled = torch.compile(eager, fullgraph=True)
+        for got, want in zip(compiled(xs), eager(xs)):
+            torch.testing.assert_close(got, want)
+
+
+# -------------------------------------------------------------------------- bad inputs
+
+EYE2 = torch.eye(2)
+
+BAD = [
+    (lambda: E.gaussian(torch.zeros(2, 2)), ValueError, "mean must be 1-D"),
+    (lambda: E.gaussian(torch.zeros(0)), ValueError, "mean must have at least one"),
+    (lambda: E.gaussian([0.0, float("nan")]), ValueError, "mean must be finite"),
+    (lambda: E.gaussian("abc"), TypeError, "mean must be"),
+    (lambda: E.gaussian(None), TypeError, "mean must be"),
+    (lambda: E.gaussian(torch.zeros(2), EYE2, EYE2), ValueError, "cov and precision"),
+    (lambda: E.gaussian(torch.zeros(2), torch.ones(2, 3)), ValueError, r"cov must have shape \(2, 2\)"),
+    (lambda: E.gaussian(torch.zeros(3), EYE2), ValueError, r"cov must have shape \(3, 3\)"),
+    (lambda: E.gaussian(torch.zeros(2), torch.ones(3)), ValueError, r"cov must have shape \(2,\)"),
+    (lambda: E.gaussian(torch.zeros(2), torch.ones(2, 2, 2)), ValueError, "cov must be 1-D or 2-D"),
+    (lambda: E.gaussian(torch.zeros(2), torch.tensor([[1.0, 0.5], [0.0, 1.0]])), ValueError, "cov must be symmetric"),
+    (lambda: E.gaussian(torch.zeros(2), torch.tensor([[1.0, 2.0], [2.0, 1.0]])), ValueError,
+     "cov must be positive definite"),
+    (lambda: E.gaussian(torch.zeros(2), torch.tensor([1.0, 0.0])), ValueError, "cov must be > 0"),
+    (lambda: E.gaussian(torch.zeros(2), precision=-EYE2), ValueError, "precision must be positive definite"),
+    (lambda: E.gaussian(torch.zeros(2), precision=torch.tensor([1.0, -1.0])), ValueError, "precision must be > 0"),
+    (lambda: E.gaussian(torch.zeros(2), dtype=torch.int64), TypeError, "dtype must be a floating"),
+    (lambda: E.double_well(barrier_height=0.0), ValueError, "barrier_height must be a finite number > 0"),
+    (lambda: E.double_well(b=float("inf")), ValueError, "b must be finite"),
+    (lambda: E.double_well(b="1"), TypeError, "b must be a real number"),
+    (lambda: E.rosenbrock(b=0.0), ValueError, "b must be a finite number > 0"),
+    (lambda: E.rosenbrock(a=float("nan")), ValueError, "a must be finite"),
+    (lambda: E.harmonic(k=-1.0), ValueError, "k must be a finite number > 0"),
+    (lambda: E.harmonic(k=True), TypeError, "k must be a real number"),
+    (lambda: E.harmonic(k=1j), TypeError, "k must be a real number"),
+    (lambda: E.harmonic(k=[1.0, 2.0]), ValueError, "k must be 0-D"),
+    (lambda: E.rastrigin(a=-0.5), ValueError, "a must be a finite number >= 0"),
+    (lambda: E.ackley(b=0.0), ValueError, "b must be a finite number > 0"),
+    (lambda: E.ackley(a=-1.0), ValueError, "a must be a finite number >= 0"),
+    (lambda: E.ackley(c=object()), TypeError, "c must be a real number"),
+    (lambda: E.gaussian_mixture(torch.zeros(2), torch.ones(2)), ValueError, "means must be 2-D"),
+    (lambda: E.gaussian_mixture(torch.zeros(0, 2), torch.ones(0)), ValueError, r"means must have shape \(K, d\)"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), torch.ones(3)), ValueError, r"scales must have shape \(2,\)"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), torch.ones(2, 2)), ValueError, r"or \(2, 3\)"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), torch.tensor([1.0, 0.0])), ValueError, "scales must be > 0"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), torch.ones(2), torch.ones(3)), ValueError,
+     r"weights must have shape \(2,\)"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), torch.ones(2), torch.tensor([1.0, -1.0])), ValueError,
+     "weights must be > 0"),
+    (lambda: E.gaussian_mixture(torch.zeros(2, 3), "wide"), TypeError, "scales must be"),
+    (lambda: E.from_module(lambda x: x), TypeError, "module must be a torch.nn.Module"),
+    (lambda: E.bind(3, {}), TypeError, "energy_fn must be callable"),
+    (lambda: value_and_grad(3), TypeError, "energy must be callable"),
+    (lambda: score(None), TypeError, "energy must be callable"),
+    (lambda: E.harmonic().to(dtype=torch.int32), TypeError, "dtype must be a floating"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", BAD)
+def test_bad_inputs_raise(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
