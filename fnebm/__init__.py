@@ -1,0 +1,26 @@
+"""fnebm: functional energy-based models and MCMC on torch.func, compile-first.
+
+Keys are data (:mod:`fnebm.random`), energies are pure functions (:mod:`fnebm.energies`),
+samplers are ``SamplingAlgorithm(init, step)`` pairs (:mod:`fnebm.samplers`), and
+:func:`sample_chain` runs a whole chain as one compiled region.
+"""
+
+from fnebm import diagnostics, energies, random, samplers
+from fnebm.chain import sample_chain
+from fnebm.gradients import score, value_and_grad
+from fnebm.samplers import SamplingAlgorithm, langevin, mala
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "random",
+    "energies",
+    "samplers",
+    "diagnostics",
+    "sample_chain",
+    "value_and_grad",
+    "score",
+    "SamplingAlgorithm",
+    "langevin",
+    "mala",
+]

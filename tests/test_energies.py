@@ -273,13 +273,20 @@ def test_value_and_grad_and_score():
 
 
 @pytest.mark.compile
-def test_compiled_vmapped_value_and_grad_matches_eager():
+def test_every_family_compiles_fullgraph_and_matches_eager():
+    # One graph holds every family's autograd value_and_grad and closed-form grad: one compile.
     xs = torch.randn(6, 3, generator=_gen(7), dtype=F64)
-    for e in (make("gaussian_full", 3), make("mixture", 3)):
-        eager = torch.func.vmap(value_and_grad(e))
-        compiled = torch.compile(eager, fullgraph=True)
-        for got, want in zip(compiled(xs), eager(xs)):
-            torch.testing.assert_close(got, want)
+    energies = [make(f, 3) for f in FAMILIES]
+
+    def all_grads(x):
+        out = []
+        for e in energies:
+            out += [*torch.func.vmap(value_and_grad(e))(x), torch.func.vmap(e.grad)(x)]
+        return out
+
+    compiled = torch.compile(all_grads, fullgraph=True)
+    for got, want in zip(compiled(xs), all_grads(xs), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 # -------------------------------------------------------------------------- bad inputs

@@ -1,0 +1,304 @@
+"""``sample_chain``: run a sampler's step for many steps as one compiled region.
+
+The loop is ``torch._higher_order_ops.scan`` traced by ``torch.compile(fullgraph=True)``:
+no Python runs between steps. The scan length is a dynamic dimension, so chunks of any
+length share one compiled graph; chunks exist to show progress and bound memory.
+
+Randomness: the run key gives one key per chain, ``chain_keys = split(key, n_chains)``, and
+step ``t`` (counted from 0, burn-in included) of chain ``c`` uses ``fold_in(chain_keys[c], t)``.
+So the same key gives the same trajectory compiled or eager, chunked or not, and a chain's
+draws do not depend on how many other chains run beside it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch._higher_order_ops.scan import scan
+
+from fnebm import random as fr
+
+__all__ = ["sample_chain"]
+
+
+def _position(state: Any) -> Tensor:
+    return state.position
+
+
+def _fresh(fn: Callable) -> Callable:
+    # A new code object gives each sampler its own Dynamo cache, so compiling many samplers
+    # in one process never hits the recompile limit, and a sampler reuses its own graphs.
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class _Runners(NamedTuple):
+    burn: Callable  # (leaves, chain_keys, ts: (L,)) -> leaves
+    keep: Callable  # (leaves, chain_keys, ts: (L, thin)) -> (leaves, kept leaves, info leaves)
+
+
+def _make_runners(step, collect, batched: bool, state_spec, compiled: bool) -> _Runners:
+    one = torch.func.vmap(step) if batched else step
+
+    def advance(leaves, chain_keys, t):
+        state, info = one(pytree.tree_unflatten(list(leaves), state_spec), fr.fold_in(chain_keys, t))
+        return tuple(pytree.tree_leaves(state)), tuple(pytree.tree_leaves(info))
+
+    def kept(leaves, info):
+        # Outputs of a scan body may not alias its carry: copy what is kept.
+        state = pytree.tree_unflatten(list(leaves), state_spec)
+        return tuple(x.clone() for x in pytree.tree_leaves(collect(state))), tuple(x.clone() for x in info)
+
+    if not compiled:
+
+        def burn_eager(leaves, chain_keys, ts):
+            for t in ts:
+                leaves, _ = advance(leaves, chain_keys, t)
+            return leaves
+
+        def keep_eager(leaves, chain_keys, ts):
+            outs, infos = [], []
+            for row in ts:
+                for t in row:
+                    leaves, info = advance(leaves, chain_keys, t)
+                out, info = kept(leaves, info)
+                outs.append(out)
+                infos.append(info)
+            stack = lambda rows: tuple(torch.stack(col) for col in zip(*rows))  # noqa: E731
+            return leaves, stack(outs), stack(infos)
+
+        return _Runners(burn_eager, keep_eager)
+
+    def burn(leaves, chain_keys, ts):
+        def body(carry, t):
+            return advance(carry, chain_keys, t)[0], ()
+
+        return scan(body, tuple(leaves), ts)[0]
+
+    def keep(leaves, chain_keys, ts):
+        def inner(carry, t):
+            carry, info = advance(carry, chain_keys, t)
+            return carry, tuple(x.clone() for x in info)
+
+        def outer(carry, row):
+            if row.shape[0] == 1:  # no thinning: one step per kept draw, no inner loop
+                carry, info = advance(carry, chain_keys, row[0])
+            else:
+                carry, infos = scan(inner, carry, row)
+                info = tuple(x[-1] for x in infos)
+            out, info = kept(carry, info)
+            return carry, (out, info)
+
+        leaves, (out, info) = scan(outer, tuple(leaves), ts)
+        return leaves, out, info
+
+    compile_ = lambda fn: torch.compile(_fresh(fn), fullgraph=True)  # noqa: E731
+    return _Runners(compile_(burn), compile_(keep))
+
+
+def _runners(step, collect, batched, state_spec, compiled) -> _Runners:
+    # Cached on the step itself, so compiled graphs live exactly as long as the sampler.
+    cache_key = (collect, batched, str(state_spec), compiled)
+    cache = getattr(step, "_fnebm_runners", None)
+    if cache is None:
+        cache = {}
+        try:
+            step._fnebm_runners = cache
+        except AttributeError:  # e.g. a bound method: no caching, compile per call
+            pass
+    if cache_key not in cache:
+        cache[cache_key] = _make_runners(step, collect, batched, state_spec, compiled)
+    return cache[cache_key]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _infer_batched(state: Any, batched: bool | None) -> bool:
+    if batched is not None:
+        return bool(batched)
+    energy = getattr(state, "energy", None)
+    if not isinstance(energy, Tensor):
+        raise ValueError(
+            "cannot tell whether state has a chain axis (it has no 'energy' field): pass batched=True or False"
+        )
+    if energy.ndim > 1:
+        raise ValueError(
+            f"state.energy must have shape () for one chain or (n_chains,) for many, got {tuple(energy.shape)}"
+        )
+    return energy.ndim == 1
+
+
+def _ranges(start: int, stop: int, size: int):
+    for a in range(start, stop, size):
+        yield a, min(a + size, stop)
+
+
+def _dynamic(ts: Tensor) -> Tensor:
+    # One graph for every chunk length (Dynamo specialises sizes 0 and 1, so leave those).
+    if ts.shape[0] >= 2:
+        torch._dynamo.mark_dynamic(ts, 0)
+    return ts
+
+
+def sample_chain(
+    step: Callable[[Any, Tensor], tuple[Any, Any]],
+    state: Any,
+    key: Tensor,
+    n_steps: int,
+    *,
+    burn_in: int = 0,
+    thin: int = 1,
+    collect: Callable[[Any], Any] | None = None,
+    chunk_size: int | None = None,
+    compile: bool = True,
+    progress: bool | None = None,
+    batched: bool | None = None,
+    timings: dict | None = None,
+) -> tuple[Any, Any, Any]:
+    """Run ``burn_in + n_steps`` steps of ``step`` and return ``(final_state, trace, info)``.
+
+    Args:
+        step: a sampler's pure ``step(state, key) -> (state, info)`` for one chain.
+        state: the initial state. With a leading chain axis (``state.energy: (n_chains,)``,
+            e.g. from ``torch.func.vmap(alg.init)(positions)``) the chains run under
+            ``vmap`` with one key each; ``batched`` overrides the detection.
+        key: one key ``(2,)`` from ``fnebm.random.key``.
+        n_steps: steps after burn-in; every ``thin``-th is kept, ``n_kept = n_steps // thin``.
+        burn_in: steps run first and not kept.
+        collect: ``state -> pytree of tensors`` kept at each kept step (default: the position).
+        chunk_size: steps per compiled call (default: all, or about 1/20 of the run when a
+            progress bar shows). Chunks share one compiled graph.
+        compile: ``False`` runs the same steps eagerly, step by step (for debugging).
+        progress: show a tqdm bar; ``None`` shows one when stderr is a terminal.
+        timings: if a dict is given, it receives ``first_call_s`` (the first chunk, compile
+            included), ``total_s`` and ``n_calls``; the device is synchronised per chunk then.
+
+    Returns:
+        ``final_state``; ``trace``, ``collect``'s pytree with leaves ``(n_kept, n_chains, ...)``
+        (``(n_kept, ...)`` for one chain) — draw ``j`` is the state after step
+        ``burn_in + (j + 1) * thin``; ``info``, the step's info at the kept steps, same layout.
+    """
+    if not callable(step):
+        raise TypeError(f"step must be callable step(state, key) -> (state, info), got {type(step).__name__}")
+    fr.check_key(key)
+    if key.shape != (2,):
+        raise ValueError(f"key must be one key of shape (2,), got {tuple(key.shape)}; per-chain keys are derived")
+    n_steps = _check_int("n_steps", n_steps, 1)
+    burn_in = _check_int("burn_in", burn_in, 0)
+    thin = _check_int("thin", thin, 1)
+    if thin > n_steps:
+        raise ValueError(f"thin must be <= n_steps to keep any draw, got thin={thin}, n_steps={n_steps}")
+    if chunk_size is not None:
+        chunk_size = _check_int("chunk_size", chunk_size, 1)
+    if collect is None:
+        collect = _position
+    elif not callable(collect):
+        raise TypeError(f"collect must be callable state -> pytree of tensors, got {type(collect).__name__}")
+    leaves, state_spec = pytree.tree_flatten(state)
+    if not leaves or not all(isinstance(x, Tensor) for x in leaves):
+        raise TypeError("state must be a pytree (e.g. NamedTuple) of tensors, as returned by a sampler's init")
+    devices = {x.device for x in leaves}
+    if len(devices) > 1 or key.device not in devices:
+        raise ValueError(f"state and key must be on one device, got state on {devices} and key on {key.device}")
+    is_batched = _infer_batched(state, batched)
+    if is_batched:
+        n_chains = leaves[0].shape[0]
+        if any(x.ndim == 0 or x.shape[0] != n_chains for x in leaves):
+            raise ValueError("every state field must have the same leading chain axis (n_chains, ...)")
+        chain_keys = fr.split(key, n_chains)
+    else:
+        chain_keys = key
+
+    # One eager step of one chain gives the shapes of what is kept (and fails early, with a
+    # plain traceback, if the step does not fit the state).
+    probe_state = pytree.tree_map(lambda x: x[0], state) if is_batched else state
+    probe_key = chain_keys[0] if is_batched else key
+    probe_next, probe_info = step(probe_state, probe_key)
+    out_spec = pytree.tree_structure(collect(probe_next))
+    info_spec = pytree.tree_structure(probe_info)
+
+    runners = _runners(step, collect, is_batched, state_spec, bool(compile))
+    n_kept = n_steps // thin
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    total = burn_in + n_steps
+    if chunk_size is None:
+        chunk_size = max(thin, -(-total // 20)) if show else total
+    keep_rows = max(1, chunk_size // thin)  # kept draws per compiled call
+
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="step", desc="sampling", file=sys.stderr)
+    calls, t_start = [], time.perf_counter()
+
+    def timed(fn, *args):
+        t0 = time.perf_counter()
+        result = fn(*args)
+        if timings is not None:
+            if key.device.type != "cpu":
+                torch.accelerator.synchronize(key.device)
+            calls.append(time.perf_counter() - t0)
+        return result
+
+    def ticks(n):
+        if bar is not None:
+            bar.update(n)
+
+    device = key.device
+    leaves = tuple(leaves)
+    out_bufs, info_bufs = None, None
+
+    def rows(t, n):  # step indices of n kept-graph rows starting at step t: (n, thin)
+        return _dynamic(torch.arange(t, t + n * thin, device=device).reshape(n, thin))
+
+    def steps(t, stop):
+        return _dynamic(torch.arange(t, stop, device=device))
+
+    try:
+        # Burn-in goes through the same compiled graph as sampling (one compile, not two),
+        # in row-sized chunks whose outputs are dropped; only a remainder needs the other graph.
+        t = 0
+        for a, b in _ranges(0, burn_in // thin, keep_rows):
+            leaves = timed(runners.keep, leaves, chain_keys, rows(t, b - a))[0]
+            t += (b - a) * thin
+            ticks((b - a) * thin)
+        if t < burn_in:
+            leaves = timed(runners.burn, leaves, chain_keys, steps(t, burn_in))
+            ticks(burn_in - t)
+            t = burn_in
+        for a, b in _ranges(0, n_kept, keep_rows):
+            leaves, outs, infos = timed(runners.keep, leaves, chain_keys, rows(t, b - a))
+            if a == 0 and b == n_kept:  # one call: its output is the buffer
+                out_bufs, info_bufs = list(outs), list(infos)
+            else:
+                if out_bufs is None:  # allocated once, filled chunk by chunk
+                    out_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in outs]
+                    info_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in infos]
+                for buf, x in zip(out_bufs + info_bufs, list(outs) + list(infos)):
+                    buf[a:b].copy_(x)
+            t += (b - a) * thin
+            ticks((b - a) * thin)
+        if t < total:  # steps after the last kept draw
+            leaves = timed(runners.burn, leaves, chain_keys, steps(t, total))
+            ticks(total - t)
+    finally:
+        if bar is not None:
+            bar.close()
+    if timings is not None:
+        timings.update(first_call_s=calls[0], total_s=time.perf_counter() - t_start, n_calls=len(calls))
+    final_state = pytree.tree_unflatten(list(leaves), state_spec)
+    return final_state, pytree.tree_unflatten(out_bufs, out_spec), pytree.tree_unflatten(info_bufs, info_spec)

@@ -1,0 +1,50 @@
+"""Shared targets and compiled runs: compiling costs seconds on a 2-core CPU, so each sampler
+graph is built once per session and every test that needs it reuses it."""
+
+import pytest
+import torch
+
+import fnebm
+from fnebm import energies as E
+from fnebm import random as fr
+
+F64 = torch.float64
+MEAN = torch.tensor([1.0, -1.0], dtype=F64)
+COV = torch.tensor([[1.0, 0.8], [0.8, 1.0]], dtype=F64)
+N_CHAINS = 4096
+
+
+@pytest.fixture(scope="session")
+def target():
+    """A correlated 2-D Gaussian, float64."""
+    return E.gaussian(MEAN, COV)
+
+
+@pytest.fixture(scope="session")
+def start(target):
+    """Initial positions far from the target's mean: (N_CHAINS, 2)."""
+    return 3.0 * fr.normal(fr.key(100), (N_CHAINS, 2), dtype=F64)
+
+
+@pytest.fixture(scope="session")
+def mala_alg(target):
+    return fnebm.mala(target, step_size=0.3)
+
+
+@pytest.fixture(scope="session")
+def langevin_alg(target):
+    return fnebm.langevin(target, step_size=0.05)
+
+
+@pytest.fixture(scope="session")
+def mala_run(mala_alg, start):
+    """Compiled MALA: 300 burn-in + 300 kept steps over N_CHAINS chains."""
+    state = torch.func.vmap(mala_alg.init)(start)
+    return fnebm.sample_chain(mala_alg.step, state, fr.key(1), 300, burn_in=300, progress=False)
+
+
+@pytest.fixture(scope="session")
+def langevin_run(langevin_alg, start):
+    """Compiled unadjusted Langevin: 400 burn-in + 200 kept steps over N_CHAINS chains."""
+    state = torch.func.vmap(langevin_alg.init)(start)
+    return fnebm.sample_chain(langevin_alg.step, state, fr.key(2), 200, burn_in=400, progress=False)

@@ -1,0 +1,189 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fnebm
+from fnebm import diagnostics, energies as E, random as fr
+from fnebm.samplers.mala import log_acceptance_ratio
+
+from conftest import COV, MEAN, N_CHAINS
+
+F64 = torch.float64
+Z = 4.5  # |z| bound for moment checks: a false alarm about once in 150,000 per check
+
+
+def _check_moments(x, mean, cov):
+    """x: (n, d) independent draws. Mean and covariance within Z standard errors."""
+    n = x.shape[0]
+    se_mean = torch.sqrt(torch.diagonal(cov) / n)
+    assert ((x.mean(0) - mean).abs() < Z * se_mean).all(), (x.mean(0), mean, se_mean)
+    # Var of a Gaussian sample covariance entry: (S_ii S_jj + S_ij^2) / n
+    se_cov = torch.sqrt((torch.outer(torch.diagonal(cov), torch.diagonal(cov)) + cov**2) / n)
+    assert ((torch.cov(x.T) - cov).abs() < Z * se_cov).all(), (torch.cov(x.T), cov, se_cov)
+
+
+def test_mala_final_states_have_target_moments(mala_run):
+    final, trace, info = mala_run
+    # the final states of independent chains, long after burn-in, are independent draws
+    _check_moments(final.position, MEAN, COV)
+    assert final.position.shape == (N_CHAINS, 2) and trace.shape == (300, N_CHAINS, 2)
+    assert 0.5 < info.acceptance_rate.mean() < 0.95
+    assert not info.is_divergent.any()
+
+
+def test_mala_trace_mean_within_mcse(mala_run):
+    _, trace, _ = mala_run
+    # the whole trace: autocorrelated, so the standard error comes from its ESS
+    mcse = diagnostics.mcse_mean(trace)
+    assert ((trace.mean((0, 1)) - MEAN).abs() < Z * mcse).all()
+    # 300 draws with an autocorrelation time of ~15 steps put split-R-hat near 1.05 even when
+    # converged (R-hat^2 ~ 1 + 1/ESS per split chain); unconverged chains from the 3-sigma start
+    # would be far above 1.1.
+    assert (diagnostics.rhat(trace) < 1.1).all()
+
+
+def test_langevin_matches_its_discretised_stationary_law(langevin_run):
+    # ULA on E = x'Px/2 is a Gaussian AR(1): its stationary covariance is exactly
+    # 2 (P (2I - eta P))^-1, which differs from COV by O(eta). Test against that, not COV.
+    final, _, info = langevin_run
+    eta = 0.05
+    P = torch.linalg.inv(COV)
+    ula_cov = 2 * torch.linalg.inv(P @ (2 * torch.eye(2, dtype=F64) - eta * P))
+    _check_moments(final.position, MEAN, ula_cov)
+    assert not info.is_divergent.any()
+
+
+@pytest.mark.parametrize("make", [lambda e: fnebm.mala(e, 0.2), lambda e: fnebm.langevin(e, 0.1, 0.7)])
+def test_vmapped_step_equals_loop_over_chains(make, target):
+    alg = make(target)
+    x = fr.normal(fr.key(3), (5, 2), dtype=F64)
+    keys = fr.split(fr.key(4), 5)
+    states = torch.func.vmap(alg.init)(x)
+    batched, binfo = torch.func.vmap(alg.step)(states, keys)
+    for c in range(5):
+        one, oinfo = alg.step(alg.init(x[c]), keys[c])
+        for got, want in zip(one + oinfo, batched + binfo):
+            torch.testing.assert_close(got, want[c])
+
+
+def test_state_caches_energy_and_gradient(target):
+    alg = fnebm.mala(target, 0.2)
+    state, _ = alg.step(alg.init(torch.zeros(2, dtype=F64)), fr.key(0))
+    torch.testing.assert_close(state.energy, target(state.position))
+    torch.testing.assert_close(state.grad, target.grad(state.position))
+
+
+def test_one_gradient_per_step():
+    calls = []
+
+    def energy(x):
+        calls.append(1)
+        return 0.5 * (x * x).sum()
+
+    for alg in (fnebm.mala(energy, 0.1), fnebm.langevin(energy, 0.1)):
+        state = alg.init(torch.zeros(3))
+        calls.clear()
+        alg.step(state, fr.key(0))
+        assert len(calls) == 1
+
+
+@given(
+    st.lists(st.floats(-3, 3), min_size=4, max_size=4),
+    st.floats(0.01, 1.0),
+)
+@settings(max_examples=50, deadline=None)
+def test_mala_acceptance_ratio_is_antisymmetric(vals, eta):
+    # detailed balance: log alpha(x -> y) = -log alpha(y -> x)
+    e = E.double_well(1.0, 1.0, dtype=F64)
+    x, y = torch.tensor(vals[:2], dtype=F64), torch.tensor(vals[2:], dtype=F64)
+    fwd = log_acceptance_ratio(x, e(x), e.grad(x), y, e(y), e.grad(y), eta)
+    bwd = log_acceptance_ratio(y, e(y), e.grad(y), x, e(x), e.grad(x), eta)
+    torch.testing.assert_close(fwd, -bwd)
+
+
+def test_mala_on_a_flat_energy_accepts_everything():
+    # symmetric proposal and equal energies: alpha = 1 exactly
+    alg = fnebm.mala(lambda x: 0.0 * x.sum(), 0.5)
+    states = torch.func.vmap(alg.init)(torch.zeros(64, 3))
+    _, info = torch.func.vmap(alg.step)(states, fr.split(fr.key(0), 64))
+    assert torch.equal(info.acceptance_rate, torch.ones(64)) and info.is_accepted.all()
+
+
+def _walled(x):
+    # finite for x[0] < 0.5, +inf beyond: proposals across the wall must never be taken
+    return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.tensor(math.inf))
+
+
+def _nan_beyond(x):
+    return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.tensor(math.nan))
+
+
+@pytest.mark.parametrize("energy", [_walled, _nan_beyond])
+def test_mala_rejects_non_finite_proposals(energy):
+    alg = fnebm.mala(energy, 0.5)
+    state = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
+    step = torch.func.vmap(alg.step)
+    divergent = 0
+    for t in range(5):
+        state, info = step(state, fr.split(fr.fold_in(fr.key(0), t), 256))
+        assert not (info.is_divergent & info.is_accepted).any()
+        assert (info.acceptance_rate[info.is_divergent] == 0).all()
+        divergent += int(info.is_divergent.sum())
+        assert torch.isfinite(state.position).all() and torch.isfinite(state.energy).all()
+        assert (state.position[:, 0] < 0.5).all()
+    assert divergent > 0  # the wall was hit, so the check above was exercised
+
+
+def test_langevin_flags_divergence_and_stays_put():
+    alg = fnebm.langevin(_walled, 0.5)
+    start = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
+    state, info = torch.func.vmap(alg.step)(start, fr.split(fr.key(0), 256))
+    assert info.is_divergent.any() and not info.is_divergent.all()
+    torch.testing.assert_close(state.position[info.is_divergent], start.position[info.is_divergent])
+    assert torch.isfinite(state.position).all()
+
+
+def test_float32_chain_follows_the_inputs():
+    e = E.double_well()
+    alg = fnebm.langevin(e, 0.01)
+    state, _ = alg.step(alg.init(torch.zeros(4)), fr.key(0))
+    assert state.position.dtype == torch.float32 and state.energy.dtype == torch.float32
+
+
+BAD = [
+    (lambda e: fnebm.mala(e, 0.0), ValueError, "step_size must be a finite number > 0"),
+    (lambda e: fnebm.mala(e, -0.1), ValueError, "step_size"),
+    (lambda e: fnebm.mala(e, float("nan")), ValueError, "step_size"),
+    (lambda e: fnebm.langevin(e, float("inf")), ValueError, "step_size"),
+    (lambda e: fnebm.langevin(e, "0.1"), TypeError, "step_size must be a number"),
+    (lambda e: fnebm.langevin(e, torch.tensor([0.1, 0.2])), TypeError, "step_size"),
+    (lambda e: fnebm.langevin(e, 0.1, noise_scale=-1.0), ValueError, "noise_scale"),
+    (lambda e: fnebm.mala("energy", 0.1), TypeError, "energy_fn must be callable"),
+    (lambda e: fnebm.mala(e, 0.1).init(torch.zeros(2, dtype=torch.float32)), TypeError, "dtype"),
+    (lambda e: fnebm.mala(e, 0.1).init(torch.zeros(2, dtype=torch.int64)), TypeError, "floating"),
+    (lambda e: fnebm.mala(e, 0.1).init([0.0, 0.0]), TypeError, "position must be a torch.Tensor"),
+    (
+        lambda e: fnebm.mala(e, 0.1).step(fnebm.mala(e, 0.1).init(torch.zeros(2, dtype=F64)), torch.zeros(3, dtype=torch.int64)),
+        ValueError,
+        r"key must have shape \(\.\.\., 2\)",
+    ),
+    (
+        lambda e: fnebm.langevin(e, 0.1).step(fnebm.langevin(e, 0.1).init(torch.zeros(2, dtype=F64)), torch.zeros(2)),
+        TypeError,
+        "key must have dtype torch.int64",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_raises(call, exc, match, target):
+    with pytest.raises(exc, match=match):
+        call(target)
+
+
+def test_step_size_as_tensor_is_accepted(target):
+    alg = fnebm.mala(target, torch.tensor(0.1))
+    state, _ = alg.step(alg.init(torch.zeros(2, dtype=F64)), fr.key(0))
+    assert state.position.shape == (2,)
