@@ -16,7 +16,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -39,71 +39,36 @@ def _fresh(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-class _Runners(NamedTuple):
-    burn: Callable  # (leaves, chain_keys, ts: (L,)) -> leaves
-    keep: Callable  # (leaves, chain_keys, ts: (L, thin)) -> (leaves, kept leaves, info leaves)
-
-
-def _make_runners(step, collect, batched: bool, state_spec, compiled: bool) -> _Runners:
+def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Callable:
+    """``run(leaves, chain_keys, ts: (L,)) -> (leaves, kept: (L, ...) leaves, info: (L, ...) leaves)``."""
     one = torch.func.vmap(step) if batched else step
 
     def advance(leaves, chain_keys, t):
         state, info = one(pytree.tree_unflatten(list(leaves), state_spec), fr.fold_in(chain_keys, t))
-        return tuple(pytree.tree_leaves(state)), tuple(pytree.tree_leaves(info))
-
-    def kept(leaves, info):
         # Outputs of a scan body may not alias its carry: copy what is kept.
-        state = pytree.tree_unflatten(list(leaves), state_spec)
-        return tuple(x.clone() for x in pytree.tree_leaves(collect(state))), tuple(x.clone() for x in info)
+        kept = tuple(x.clone() for x in pytree.tree_leaves(collect(state)))
+        return tuple(pytree.tree_leaves(state)), (kept, tuple(x.clone() for x in pytree.tree_leaves(info)))
 
     if not compiled:
 
-        def burn_eager(leaves, chain_keys, ts):
+        def run_eager(leaves, chain_keys, ts):
+            outs = []
             for t in ts:
-                leaves, _ = advance(leaves, chain_keys, t)
-            return leaves
-
-        def keep_eager(leaves, chain_keys, ts):
-            outs, infos = [], []
-            for row in ts:
-                for t in row:
-                    leaves, info = advance(leaves, chain_keys, t)
-                out, info = kept(leaves, info)
+                leaves, out = advance(leaves, chain_keys, t)
                 outs.append(out)
-                infos.append(info)
-            stack = lambda rows: tuple(torch.stack(col) for col in zip(*rows))  # noqa: E731
-            return leaves, stack(outs), stack(infos)
+            kept, info = (tuple(torch.stack(col) for col in zip(*part)) for part in zip(*outs))
+            return leaves, kept, info
 
-        return _Runners(burn_eager, keep_eager)
+        return run_eager
 
-    def burn(leaves, chain_keys, ts):
-        def body(carry, t):
-            return advance(carry, chain_keys, t)[0], ()
+    def run(leaves, chain_keys, ts):
+        leaves, (kept, info) = scan(lambda carry, t: advance(carry, chain_keys, t), tuple(leaves), ts)
+        return leaves, kept, info
 
-        return scan(body, tuple(leaves), ts)[0]
-
-    def keep(leaves, chain_keys, ts):
-        def inner(carry, t):
-            carry, info = advance(carry, chain_keys, t)
-            return carry, tuple(x.clone() for x in info)
-
-        def outer(carry, row):
-            if row.shape[0] == 1:  # no thinning: one step per kept draw, no inner loop
-                carry, info = advance(carry, chain_keys, row[0])
-            else:
-                carry, infos = scan(inner, carry, row)
-                info = tuple(x[-1] for x in infos)
-            out, info = kept(carry, info)
-            return carry, (out, info)
-
-        leaves, (out, info) = scan(outer, tuple(leaves), ts)
-        return leaves, out, info
-
-    compile_ = lambda fn: torch.compile(_fresh(fn), fullgraph=True)  # noqa: E731
-    return _Runners(compile_(burn), compile_(keep))
+    return torch.compile(_fresh(run), fullgraph=True)
 
 
-def _runners(step, collect, batched, state_spec, compiled) -> _Runners:
+def _runner(step, collect, batched, state_spec, compiled) -> Callable:
     # Cached on the step itself, so compiled graphs live exactly as long as the sampler.
     cache_key = (collect, batched, str(state_spec), compiled)
     cache = getattr(step, "_fnebm_runners", None)
@@ -114,7 +79,7 @@ def _runners(step, collect, batched, state_spec, compiled) -> _Runners:
         except AttributeError:  # e.g. a bound method: no caching, compile per call
             pass
     if cache_key not in cache:
-        cache[cache_key] = _make_runners(step, collect, batched, state_spec, compiled)
+        cache[cache_key] = _make_runner(step, collect, batched, state_spec, compiled)
     return cache[cache_key]
 
 
@@ -146,13 +111,6 @@ def _ranges(start: int, stop: int, size: int):
         yield a, min(a + size, stop)
 
 
-def _dynamic(ts: Tensor) -> Tensor:
-    # One graph for every chunk length (Dynamo specialises sizes 0 and 1, so leave those).
-    if ts.shape[0] >= 2:
-        torch._dynamo.mark_dynamic(ts, 0)
-    return ts
-
-
 def sample_chain(
     step: Callable[[Any, Tensor], tuple[Any, Any]],
     state: Any,
@@ -179,8 +137,8 @@ def sample_chain(
         n_steps: steps after burn-in; every ``thin``-th is kept, ``n_kept = n_steps // thin``.
         burn_in: steps run first and not kept.
         collect: ``state -> pytree of tensors`` kept at each kept step (default: the position).
-        chunk_size: steps per compiled call (default: all, or about 1/20 of the run when a
-            progress bar shows). Chunks share one compiled graph.
+        chunk_size: steps per compiled call. Default: ``max(n_kept, 256)`` steps, or about
+            1/20 of the run when a progress bar shows. All chunks share one compiled graph.
         compile: ``False`` runs the same steps eagerly, step by step (for debugging).
         progress: show a tqdm bar; ``None`` shows one when stderr is a terminal.
         timings: if a dict is given, it receives ``first_call_s`` (the first chunk, compile
@@ -230,13 +188,15 @@ def sample_chain(
     out_spec = pytree.tree_structure(collect(probe_next))
     info_spec = pytree.tree_structure(probe_info)
 
-    runners = _runners(step, collect, is_batched, state_spec, bool(compile))
+    run = _runner(step, collect, is_batched, state_spec, bool(compile))
     n_kept = n_steps // thin
-    show = sys.stderr.isatty() if progress is None else bool(progress)
     total = burn_in + n_steps
+    show = sys.stderr.isatty() if progress is None else bool(progress)
     if chunk_size is None:
-        chunk_size = max(thin, -(-total // 20)) if show else total
-    keep_rows = max(1, chunk_size // thin)  # kept draws per compiled call
+        # A call returns every step's draw and thinning picks from them: chunks of n_kept
+        # steps (at least 256) keep that scratch near the size of the trace itself.
+        chunk_size = -(-total // 20) if show else max(n_kept, min(total, 256))
+    first_kept = burn_in + thin - 1  # index of the step whose resulting state is draw 0
 
     bar = None
     if show:
@@ -244,57 +204,35 @@ def sample_chain(
 
         bar = tqdm(total=total, unit="step", desc="sampling", file=sys.stderr)
     calls, t_start = [], time.perf_counter()
-
-    def timed(fn, *args):
-        t0 = time.perf_counter()
-        result = fn(*args)
-        if timings is not None:
-            if key.device.type != "cpu":
-                torch.accelerator.synchronize(key.device)
-            calls.append(time.perf_counter() - t0)
-        return result
-
-    def ticks(n):
-        if bar is not None:
-            bar.update(n)
-
-    device = key.device
     leaves = tuple(leaves)
-    out_bufs, info_bufs = None, None
-
-    def rows(t, n):  # step indices of n kept-graph rows starting at step t: (n, thin)
-        return _dynamic(torch.arange(t, t + n * thin, device=device).reshape(n, thin))
-
-    def steps(t, stop):
-        return _dynamic(torch.arange(t, stop, device=device))
-
+    out_bufs = info_bufs = None
     try:
-        # Burn-in goes through the same compiled graph as sampling (one compile, not two),
-        # in row-sized chunks whose outputs are dropped; only a remainder needs the other graph.
-        t = 0
-        for a, b in _ranges(0, burn_in // thin, keep_rows):
-            leaves = timed(runners.keep, leaves, chain_keys, rows(t, b - a))[0]
-            t += (b - a) * thin
-            ticks((b - a) * thin)
-        if t < burn_in:
-            leaves = timed(runners.burn, leaves, chain_keys, steps(t, burn_in))
-            ticks(burn_in - t)
-            t = burn_in
-        for a, b in _ranges(0, n_kept, keep_rows):
-            leaves, outs, infos = timed(runners.keep, leaves, chain_keys, rows(t, b - a))
-            if a == 0 and b == n_kept:  # one call: its output is the buffer
-                out_bufs, info_bufs = list(outs), list(infos)
-            else:
-                if out_bufs is None:  # allocated once, filled chunk by chunk
-                    out_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in outs]
-                    info_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in infos]
-                for buf, x in zip(out_bufs + info_bufs, list(outs) + list(infos)):
-                    buf[a:b].copy_(x)
-            t += (b - a) * thin
-            ticks((b - a) * thin)
-        if t < total:  # steps after the last kept draw
-            leaves = timed(runners.burn, leaves, chain_keys, steps(t, total))
-            ticks(total - t)
+        for a, b in _ranges(0, total, chunk_size):
+            t0 = time.perf_counter()
+            ts = torch.arange(a, b, device=key.device)
+            if b - a >= 2:  # one graph for every chunk length (sizes 0 and 1 are specialised)
+                torch._dynamo.mark_dynamic(ts, 0)
+            leaves, outs, infos = run(leaves, chain_keys, ts)
+            if timings is not None:
+                if key.device.type != "cpu":
+                    torch.accelerator.synchronize(key.device)
+                calls.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(b - a)
+            # the kept steps in [a, b): first_kept, first_kept + thin, ..., below burn_in + n_kept * thin
+            lo = first_kept + max(0, -(-(a - first_kept) // thin)) * thin
+            hi = min(b, burn_in + n_kept * thin)
+            if lo >= hi:
+                continue
+            j0, j1 = (lo - first_kept) // thin, (hi - 1 - first_kept) // thin + 1
+            if (j0, j1, lo - a, thin) == (0, n_kept, 0, 1) and b - a == n_kept:
+                out_bufs, info_bufs = list(outs), list(infos)  # one call: its output is the trace
+                continue
+            if out_bufs is None:  # allocated once, filled chunk by chunk
+                out_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in outs]
+                info_bufs = [x.new_empty((n_kept, *x.shape[1:])) for x in infos]
+            for buf, x in zip(out_bufs + info_bufs, list(outs) + list(infos)):
+                buf[j0:j1].copy_(x[lo - a : hi - a : thin])
     finally:
         if bar is not None:
             bar.close()

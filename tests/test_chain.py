@@ -1,0 +1,122 @@
+import pytest
+import torch
+
+import fnebm
+from fnebm import random as fr
+
+from conftest import N_CHAINS
+
+F64 = torch.float64
+
+
+def _close(a, b):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def mala_state(mala_alg, start):
+    return torch.func.vmap(mala_alg.init)(start)
+
+
+def test_compiled_equals_eager(mala_alg, mala_state, mala_run):
+    # mala_run compiled the graph already: these calls reuse it (the scan length is dynamic)
+    kw = dict(burn_in=3, progress=False)
+    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, **kw)
+    f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, compile=False, **kw)
+    _close(f1, f2)
+    _close([t1], [t2])
+    assert torch.equal(i1.is_accepted, i2.is_accepted)
+    assert t1.shape == (8, N_CHAINS, 2) and i1.acceptance_rate.shape == (8, N_CHAINS)
+
+
+def test_chunked_equals_one_call(mala_alg, mala_state, mala_run):
+    one = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, progress=False)
+    timings = {}
+    chunked = fnebm.sample_chain(
+        mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, chunk_size=4, progress=False, timings=timings
+    )
+    _close(one[0], chunked[0])
+    _close([one[1]], [chunked[1]])
+    _close(one[2], chunked[2])
+    assert timings["n_calls"] == 2 + 5 and timings["first_call_s"] > 0
+
+
+def test_draw_j_is_the_state_after_its_step(mala_alg, mala_state, mala_run):
+    # thin=1: the last kept draw is the final state, and a run of k steps ends at draw k - 1
+    final, trace, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 10, burn_in=2, progress=False)
+    torch.testing.assert_close(trace[-1], final.position)
+    shorter, _, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 4, burn_in=2, progress=False)
+    torch.testing.assert_close(trace[3], shorter.position)
+
+
+def test_thinning_compiled_equals_eager(mala_alg, mala_state):
+    # burn_in and n_steps not multiples of thin: exercises the remainder graph too
+    kw = dict(burn_in=4, thin=3, progress=False)
+    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, **kw)
+    f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, compile=False, **kw)
+    _close(f1, f2)
+    _close([t1], [t2])
+    _close(i1, i2)
+    assert t1.shape == (3, N_CHAINS, 2)
+    # draw j is the state after step burn_in + (j + 1) * thin: the unthinned eager run agrees
+    _, full, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, burn_in=4, compile=False, progress=False)
+    torch.testing.assert_close(t2, full[2::3])
+
+
+def test_each_chain_runs_on_its_own_key(mala_alg, mala_state):
+    # chain c of a batched run is the single-chain run with key split(key, n_chains)[c]
+    key = fr.key(11)
+    _, batched, _ = fnebm.sample_chain(mala_alg.step, mala_state, key, 5, compile=False, progress=False)
+    c = 17
+    one = mala_alg.init(mala_state.position[c])
+    _, single, info = fnebm.sample_chain(
+        mala_alg.step, one, fr.split(key, N_CHAINS)[c], 5, compile=False, progress=False
+    )
+    torch.testing.assert_close(single, batched[:, c])
+    assert single.shape == (5, 2) and info.is_accepted.shape == (5,)
+
+
+def test_collect_picks_what_is_kept(mala_alg, mala_state):
+    _, trace, _ = fnebm.sample_chain(
+        mala_alg.step, mala_state, fr.key(1), 3, collect=lambda s: {"x": s.position, "e": s.energy},
+        compile=False, progress=False,
+    )
+    assert trace["x"].shape == (3, N_CHAINS, 2) and trace["e"].shape == (3, N_CHAINS)
+
+
+def test_progress_bar_goes_to_stderr(mala_alg, mala_state, capsys):
+    fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 4, compile=False, progress=True)
+    assert "4/4" in capsys.readouterr().err
+
+
+def test_inputs_are_not_mutated(mala_alg, mala_state):
+    before = [x.clone() for x in mala_state]
+    key = fr.key(3)
+    fnebm.sample_chain(mala_alg.step, mala_state, key, 3, compile=False, progress=False)
+    _close(before, mala_state)
+    assert key.tolist() == [3, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(n_steps=0), ValueError, "n_steps must be >= 1"),
+        (dict(n_steps=2.5), TypeError, "n_steps must be an int"),
+        (dict(burn_in=-1), ValueError, "burn_in"),
+        (dict(thin=0), ValueError, "thin must be >= 1"),
+        (dict(thin=5, n_steps=4), ValueError, "thin must be <= n_steps"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(collect="position"), TypeError, "collect must be callable"),
+        (dict(key=fr.split(fr.key(0), 3)), ValueError, r"key must be one key of shape \(2,\)"),
+        (dict(key=torch.zeros(2)), TypeError, "key must have dtype torch.int64"),
+        (dict(step="mala"), TypeError, "step must be callable"),
+        (dict(state=(1.0, 2.0)), TypeError, "state must be a pytree"),
+        (dict(state=(torch.zeros(3), torch.zeros(3))), ValueError, "pass batched=True or False"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, exc, match, mala_alg, mala_state):
+    args = dict(step=mala_alg.step, state=mala_state, key=fr.key(0), n_steps=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        fnebm.sample_chain(args.pop("step"), args.pop("state"), args.pop("key"), args.pop("n_steps"), **args)
