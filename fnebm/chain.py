@@ -40,8 +40,11 @@ def _fresh(fn: Callable) -> Callable:
 
 
 def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Callable:
-    """``run(leaves, chain_keys, ts: (L,)) -> (leaves, kept: (L, ...) leaves, info: (L, ...) leaves)``."""
+    """``run(leaves, key, ts: (L,)) -> (leaves, kept: (L, ...) leaves, info: (L, ...) leaves)``."""
     one = torch.func.vmap(step) if batched else step
+
+    def chain_keys_of(leaves, key):
+        return fr.split(key, leaves[0].shape[0]) if batched else key
 
     def advance(leaves, chain_keys, t):
         state, info = one(pytree.tree_unflatten(list(leaves), state_spec), fr.fold_in(chain_keys, t))
@@ -51,7 +54,8 @@ def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Ca
 
     if not compiled:
 
-        def run_eager(leaves, chain_keys, ts):
+        def run_eager(leaves, key, ts):
+            chain_keys = chain_keys_of(leaves, key)
             outs = []
             for t in ts:
                 leaves, out = advance(leaves, chain_keys, t)
@@ -61,14 +65,16 @@ def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Ca
 
         return run_eager
 
-    def run(leaves, chain_keys, ts):
+    def run(leaves, key, ts):
+        chain_keys = chain_keys_of(leaves, key)
         leaves, (kept, info) = scan(lambda carry, t: advance(carry, chain_keys, t), tuple(leaves), ts)
         return leaves, kept, info
 
     return torch.compile(_fresh(run), fullgraph=True)
 
 
-def _runner(step, collect, batched, state_spec, compiled) -> Callable:
+def _runner(step, collect, state, batched, state_spec, compiled) -> tuple[Callable, Any, Any]:
+    """The runner for this step and the tree structures of what it keeps: ``(run, out_spec, info_spec)``."""
     # Cached on the step itself, so compiled graphs live exactly as long as the sampler.
     cache_key = (collect, batched, str(state_spec), compiled)
     cache = getattr(step, "_fnebm_runners", None)
@@ -79,8 +85,17 @@ def _runner(step, collect, batched, state_spec, compiled) -> Callable:
         except AttributeError:  # e.g. a bound method: no caching, compile per call
             pass
     if cache_key not in cache:
-        cache[cache_key] = _make_runner(step, collect, batched, state_spec, compiled)
+        # One eager step of one chain gives the structure of what is kept (and surfaces a
+        # step that does not fit the state with a plain traceback, before any compiling).
+        probe = pytree.tree_map(lambda x: x[0], state) if batched else state
+        probe_next, probe_info = step(probe, fr.key(0, device=_device_of(state)))
+        specs = pytree.tree_structure(collect(probe_next)), pytree.tree_structure(probe_info)
+        cache[cache_key] = (_make_runner(step, collect, batched, state_spec, compiled), *specs)
     return cache[cache_key]
+
+
+def _device_of(state: Any) -> torch.device:
+    return pytree.tree_leaves(state)[0].device
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -172,23 +187,9 @@ def sample_chain(
     if len(devices) > 1 or key.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {key.device}")
     is_batched = _infer_batched(state, batched)
-    if is_batched:
-        n_chains = leaves[0].shape[0]
-        if any(x.ndim == 0 or x.shape[0] != n_chains for x in leaves):
-            raise ValueError("every state field must have the same leading chain axis (n_chains, ...)")
-        chain_keys = fr.split(key, n_chains)
-    else:
-        chain_keys = key
-
-    # One eager step of one chain gives the shapes of what is kept (and fails early, with a
-    # plain traceback, if the step does not fit the state).
-    probe_state = pytree.tree_map(lambda x: x[0], state) if is_batched else state
-    probe_key = chain_keys[0] if is_batched else key
-    probe_next, probe_info = step(probe_state, probe_key)
-    out_spec = pytree.tree_structure(collect(probe_next))
-    info_spec = pytree.tree_structure(probe_info)
-
-    run = _runner(step, collect, is_batched, state_spec, bool(compile))
+    if is_batched and any(x.ndim == 0 or x.shape[0] != leaves[0].shape[0] for x in leaves):
+        raise ValueError("every state field must have the same leading chain axis (n_chains, ...)")
+    run, out_spec, info_spec = _runner(step, collect, state, is_batched, state_spec, bool(compile))
     n_kept = n_steps // thin
     total = burn_in + n_steps
     show = sys.stderr.isatty() if progress is None else bool(progress)
@@ -212,7 +213,7 @@ def sample_chain(
             ts = torch.arange(a, b, device=key.device)
             if b - a >= 2:  # one graph for every chunk length (sizes 0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
-            leaves, outs, infos = run(leaves, chain_keys, ts)
+            leaves, outs, infos = run(leaves, key, ts)
             if timings is not None:
                 if key.device.type != "cpu":
                     torch.accelerator.synchronize(key.device)

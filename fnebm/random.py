@@ -217,7 +217,8 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     For a single key ``k1, k2 = split(key)`` unpacks; for a batch of keys the new axis comes
     after the batch axes, so the result equals ``vmap(split)(keys)``.
     """
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+    # a SymInt (a traced chain count under dynamic shapes) is fine too
+    if isinstance(num, bool) or not isinstance(num, (int, torch.SymInt)) or (isinstance(num, int) and num < 1):
         raise ValueError(f"num must be a positive int, got {num!r}")
     w0, w1, _, _ = _blocks(key, num, c2=_SPLIT_TAG)
     return torch.stack((w0, w1), dim=-1)

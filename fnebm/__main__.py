@@ -1,0 +1,3 @@
+import sys
+from fnebm.cli import main
+sys.exit(main())
