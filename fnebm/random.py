@@ -220,8 +220,10 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     # a SymInt (a traced chain count under dynamic shapes) is fine too
     if isinstance(num, bool) or not isinstance(num, (int, torch.SymInt)) or (isinstance(num, int) and num < 1):
         raise ValueError(f"num must be a positive int, got {num!r}")
-    w0, w1, _, _ = _blocks(key, num, c2=_SPLIT_TAG)
-    return torch.stack((w0, w1), dim=-1)
+    # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
+    w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)
+    pairs = torch.stack((torch.stack((w0, w1), dim=-1), torch.stack((w2, w3), dim=-1)), dim=-2)
+    return pairs.flatten(-3, -2)[..., :num, :]
 
 
 def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
