@@ -50,7 +50,9 @@ def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Ca
         state, info = one(pytree.tree_unflatten(list(leaves), state_spec), fr.fold_in(chain_keys, t))
         # Outputs of a scan body may not alias its carry: copy what is kept.
         kept = tuple(x.clone() for x in pytree.tree_leaves(collect(state)))
-        return tuple(pytree.tree_leaves(state)), (kept, tuple(x.clone() for x in pytree.tree_leaves(info)))
+        # A step may pass a field through unchanged; a scan carry may not alias its input.
+        carry = tuple(x.clone() for x in pytree.tree_leaves(state))
+        return carry, (kept, tuple(x.clone() for x in pytree.tree_leaves(info)))
 
     if not compiled:
 
@@ -121,9 +123,17 @@ def _infer_batched(state: Any, batched: bool | None) -> bool:
     return energy.ndim == 1
 
 
-def _ranges(start: int, stop: int, size: int):
-    for a in range(start, stop, size):
-        yield a, min(a + size, stop)
+def _chunks(total: int, size: int):
+    """``[a, b)`` ranges covering ``range(total)``, none of length 1 unless ``total == 1``.
+
+    Dynamo specialises a length-1 scan into a graph of its own; a run never needs one, so
+    a lone last step joins the chunk before it (and ``size`` 1 means 2).
+    """
+    size = max(size, 2)
+    bounds = list(range(0, total, size)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def sample_chain(
@@ -208,7 +218,7 @@ def sample_chain(
     leaves = tuple(leaves)
     out_bufs = info_bufs = None
     try:
-        for a, b in _ranges(0, total, chunk_size):
+        for a, b in _chunks(total, chunk_size):
             t0 = time.perf_counter()
             ts = torch.arange(a, b, device=key.device)
             if b - a >= 2:  # one graph for every chunk length (sizes 0 and 1 are specialised)

@@ -120,3 +120,26 @@ def test_bad_arguments_raise(kwargs, exc, match, mala_alg, mala_state):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         fnebm.sample_chain(args.pop("step"), args.pop("state"), args.pop("key"), args.pop("n_steps"), **args)
+
+
+def test_chunks_never_leave_a_lone_step():
+    from fnebm.chain import _chunks
+
+    for total in range(1, 40):
+        for size in range(1, 12):
+            chunks = _chunks(total, size)
+            assert chunks[0][0] == 0 and chunks[-1][1] == total
+            assert all(b0 == a1 for (_, b0), (a1, _) in zip(chunks, chunks[1:]))
+            assert all(b - a >= 2 for a, b in chunks) or total == 1
+
+
+def test_step_may_pass_fields_through(mala_alg, mala_state):
+    # a custom step that returns a field unchanged must still compile (no carry aliasing)
+    def step(state, key):
+        new, info = mala_alg.step(state, key)
+        return new._replace(grad=state.grad), info
+
+    f1, t1, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, progress=False)
+    f2, t2, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, compile=False, progress=False)
+    _close([t1], [t2])
+    torch.testing.assert_close(f1.grad, mala_state.grad)

@@ -1,0 +1,73 @@
+"""Where W1's time goes: the full Langevin chain against its parts, each as its own scan.
+
+    python bench/profile_w1.py [--chains 10000] [--steps 100] [--repeats 7]
+
+Each variant is a step function run by fnebm.sample_chain (compiled, warm medians), so the
+differences split the time into RNG (key derivation + normals), gradient and the rest.
+"""
+
+import argparse
+import math
+import statistics
+import time
+from typing import NamedTuple
+
+import torch
+
+import fnebm
+from fnebm import energies
+from fnebm import random as fr
+
+
+class S(NamedTuple):
+    position: torch.Tensor
+    energy: torch.Tensor
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chains", type=int, default=10_000)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    e = energies.double_well(2.0, 1.0)
+    eta, scale = 0.01, math.sqrt(2 * 0.01)
+    x0 = fr.normal(fr.key(0), (a.chains, 10))
+
+    def rng_only(s, key):  # the fold_in is done by sample_chain; this adds the normals
+        return S(s.position + fr.normal(key, s.position.shape), s.energy), ()
+
+    def grad_only(s, key):
+        return S(s.position - eta * e.grad(s.position), s.energy), ()
+
+    def keys_only(s, key):  # sample_chain's per-step fold_in, and nothing else
+        return S(s.position + key[0].to(s.position.dtype) * 0, s.energy), ()
+
+    def analytic(s, key):  # Langevin with the closed-form gradient instead of autograd
+        return S(s.position - eta * e.grad(s.position) + scale * fr.normal(key, s.position.shape), s.energy), ()
+
+    alg = fnebm.langevin(e, eta)
+    variants = {
+        "full Langevin step (autograd)": (alg.step, torch.func.vmap(alg.init)(x0)),
+        "Langevin, closed-form grad": (analytic, S(x0, torch.zeros(a.chains))),
+        "fold_in only": (keys_only, S(x0, torch.zeros(a.chains))),
+        "fold_in + normal": (rng_only, S(x0, torch.zeros(a.chains))),
+        "gradient only (no RNG)": (grad_only, S(x0, torch.zeros(a.chains))),
+    }
+    key = fr.key(1)
+    print(f"{a.chains} chains x {a.steps} steps, 10-D double well; warm medians of {a.repeats}")
+    for name, (step, state) in variants.items():
+        run = lambda: fnebm.sample_chain(step, state, key, a.steps, progress=False)  # noqa: E731
+        t0 = time.perf_counter()
+        run()
+        cold = time.perf_counter() - t0
+        warm = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            run()
+            warm.append(time.perf_counter() - t0)
+        print(f"  {name:<32} cold {cold:6.2f} s   warm {statistics.median(warm) * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
