@@ -12,6 +12,7 @@ draws do not depend on how many other chains run beside it.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import types
@@ -32,11 +33,20 @@ def _position(state: Any) -> Tensor:
     return state.position
 
 
+_RUNNER_IDS = itertools.count()
+
+
 def _fresh(fn: Callable) -> Callable:
-    # A new code object gives each sampler its own Dynamo cache, so compiling many samplers
-    # in one process never hits the recompile limit, and a sampler reuses its own graphs.
-    code = fn.__code__.replace()
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    """``fn`` with a code object of its own, under a name of its own.
+
+    Dynamo keeps compiled graphs per code object and its automatic-dynamic decisions per code
+    name: a fresh one per sampler means compiling many samplers in one process never hits the
+    recompile limit, and one sampler's shapes or constants (another step size) never make
+    another's graph dynamic.
+    """
+    name = f"{fn.__name__}_{next(_RUNNER_IDS)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Callable:
