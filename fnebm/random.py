@@ -222,8 +222,8 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
         raise ValueError(f"num must be a positive int, got {num!r}")
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)
-    pairs = torch.stack((torch.stack((w0, w1), dim=-1), torch.stack((w2, w3), dim=-1)), dim=-2)
-    return pairs.flatten(-3, -2)[..., :num, :]
+    even, odd = torch.stack((w0, w2), dim=-1), torch.stack((w1, w3), dim=-1)  # (..., blocks, 2)
+    return _word_major(even.flatten(-2)[..., :num], odd.flatten(-2)[..., :num])
 
 
 def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
@@ -248,7 +248,13 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     zero = torch.zeros_like(d_lo)
     k0, k1 = key[..., 0], key[..., 1]
     w0, w1, _, _ = philox4x32(d_lo, d_hi, zero + _FOLD_TAG, zero, k0, k1)
-    return torch.stack((w0, w1), dim=-1)
+    return _word_major(w0, w1)
+
+
+def _word_major(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    # Shape (..., 2), stored word by word: each word is contiguous across a batch of keys,
+    # so kernels that read one word of many keys load them as vectors.
+    return torch.stack((w0, w1), dim=0).movedim(0, -1)
 
 
 def triton_seed(key: torch.Tensor) -> torch.Tensor:
