@@ -13,6 +13,7 @@ draws do not depend on how many other chains run beside it.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 import types
@@ -25,6 +26,7 @@ from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
 from fnebm import random as fr
+from fnebm.samplers.base import is_batch_native
 
 __all__ = ["sample_chain"]
 
@@ -51,7 +53,9 @@ def _fresh(fn: Callable) -> Callable:
 
 def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Callable:
     """``run(leaves, key, ts: (L,)) -> (leaves, kept: (L, ...) leaves, info: (L, ...) leaves)``."""
-    one = torch.func.vmap(step) if batched else step
+    # A batch-native step (fnebm's samplers) takes the chain keys directly: its random draws
+    # then vectorise over chains, which vmap's layout does not allow.
+    one = torch.func.vmap(step) if batched and not is_batch_native(step) else step
 
     def chain_keys_of(leaves, key):
         return fr.split(key, leaves[0].shape[0]) if batched else key
@@ -60,8 +64,9 @@ def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Ca
         state, info = one(pytree.tree_unflatten(list(leaves), state_spec), fr.fold_in(chain_keys, t))
         # Outputs of a scan body may not alias its carry: copy what is kept.
         kept = tuple(x.clone() for x in pytree.tree_leaves(collect(state)))
-        # A step may pass a field through unchanged; a scan carry may not alias its input.
-        carry = tuple(x.clone() for x in pytree.tree_leaves(state))
+        # A step may pass a field through unchanged; a scan carry may not alias its input, and
+        # must keep its layout (strides) from step to step.
+        carry = tuple(torch.empty_like(old).copy_(new) for old, new in zip(leaves, pytree.tree_leaves(state)))
         return carry, (kept, tuple(x.clone() for x in pytree.tree_leaves(info)))
 
     if not compiled:
@@ -104,6 +109,22 @@ def _runner(step, collect, state, batched, state_spec, compiled) -> tuple[Callab
         specs = pytree.tree_structure(collect(probe_next)), pytree.tree_structure(probe_info)
         cache[cache_key] = (_make_runner(step, collect, batched, state_spec, compiled), *specs)
     return cache[cache_key]
+
+
+# Events up to this many elements are stored chain-innermost while a batched chain runs.
+_CHAINS_LAST_MAX_EVENT = 64
+
+
+def _chains_last(leaves: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The same tensors with the chain axis innermost in memory (strides only; shapes unchanged).
+
+    With small events (a 10-D position) every per-step kernel then vectorises over chains,
+    and the random draws of a batch of keys, computed chain-innermost, need no transpose.
+    Large events (images, long vectors) keep their layout.
+    """
+    if any(math.prod(x.shape[1:]) > _CHAINS_LAST_MAX_EVENT for x in leaves):
+        return leaves
+    return tuple(x.movedim(0, -1).contiguous().movedim(-1, 0) if x.ndim >= 2 else x for x in leaves)
 
 
 def _device_of(state: Any) -> torch.device:
@@ -225,7 +246,7 @@ def sample_chain(
 
         bar = tqdm(total=total, unit="step", desc="sampling", file=sys.stderr)
     calls, t_start = [], time.perf_counter()
-    leaves = tuple(leaves)
+    leaves = _chains_last(tuple(leaves)) if is_batched else tuple(leaves)
     out_bufs = info_bufs = None
     try:
         for a, b in _chunks(total, chunk_size):
@@ -259,5 +280,5 @@ def sample_chain(
             bar.close()
     if timings is not None:
         timings.update(first_call_s=calls[0], total_s=time.perf_counter() - t_start, n_calls=len(calls))
-    final_state = pytree.tree_unflatten(list(leaves), state_spec)
+    final_state = pytree.tree_unflatten([x.contiguous() for x in leaves], state_spec)
     return final_state, pytree.tree_unflatten(out_bufs, out_spec), pytree.tree_unflatten(info_bufs, info_spec)

@@ -54,6 +54,7 @@ __all__ = [
 _M32 = 0xFFFFFFFF
 _ROUND_A = 0xD2511F53
 _ROUND_B = 0xCD9E8D57
+assert _ROUND_A >= 2**31 and _ROUND_B >= 2**31  # _mulhilo relies on it
 _KEY_A = 0x9E3779B9
 _KEY_B = 0xBB67AE85
 _ROUNDS = 10
@@ -95,10 +96,11 @@ def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
 
 
 def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Exact 32x32 -> 64-bit product in int64: (a >> 1) * m < 2**63 never overflows.
-    q = (a >> 1) * m
-    t = ((q & 0x7FFFFFFF) << 1) + (a & 1) * m
-    return (q >> 31) + (t >> 32), t & _M32
+    # Exact 32x32 -> 64-bit product in int64 with no overflow: for m >= 2**31,
+    # a * m = a * 2**32 + p with p = a * (m - 2**32), |p| < 2**62. The low word is p's (two's
+    # complement) low 32 bits; the high word is floor(p / 2**32) + a (an arithmetic shift).
+    p = a * (m - 2**32)
+    return (p >> 32) + a, p & _M32
 
 
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
@@ -116,28 +118,34 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
     return c0, c1, c2, c3
 
 
-def _key_words(key: torch.Tensor, extra_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Split (..., 2) into two (..., 1, ..., 1) word tensors that broadcast against counters.
-    k0, k1 = key[..., 0], key[..., 1]
-    new_shape = k0.shape + (1,) * extra_dims
-    return k0.reshape(new_shape), k1.reshape(new_shape)
-
-
 def _blocks(key: torch.Tensor, n_blocks: int, c2: int = 0) -> tuple[torch.Tensor, ...]:
-    """Philox blocks ``b = 0 .. n_blocks-1`` under ``key``: four ``(*batch, n_blocks)`` word tensors."""
+    """Philox blocks ``b = 0 .. n_blocks-1`` under ``key``: four ``(n_blocks, *batch)`` word tensors.
+
+    The block index leads and the key's batch axes trail, so a batch of keys (many chains,
+    each drawing a few numbers) is computed with the chains as the innermost, contiguous,
+    vectorised axis; the other order makes the compiler vectorise over a handful of blocks.
+    """
     check_key(key)
-    b = torch.arange(n_blocks, dtype=torch.int64, device=key.device)
-    k0, k1 = _key_words(key, 1)
+    batch = key.shape[:-1]
+    b = torch.arange(n_blocks, dtype=torch.int64, device=key.device).reshape((n_blocks,) + (1,) * len(batch))
+    k0, k1 = key[..., 0].unsqueeze(0), key[..., 1].unsqueeze(0)
     zero = torch.zeros_like(b)
     c2 = zero if c2 == 0 else zero + c2
     return philox4x32(b & _M32, b >> 32, c2, zero, k0, k1)
 
 
+def _batch_last_to_first(x: torch.Tensor, n_batch: int) -> torch.Tensor:
+    # (*event, *batch) -> (*batch, *event)
+    n_event = x.ndim - n_batch
+    return torch.movedim(x, tuple(range(n_event, x.ndim)), tuple(range(n_batch)))
+
+
 def _planar(lanes: Sequence[torch.Tensor], key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    # Element i is lane i // m of block i % m (see the module docstring).
-    n = math.prod(shape)
-    out = torch.stack(tuple(lanes), dim=-2).flatten(-2)[..., :n]
-    return out.reshape(key.shape[:-1] + shape)
+    # Element i is lane i // m of block i % m (see the module docstring): stacking the four
+    # (m, *batch) lanes gives (4 m, *batch) whose row i is element i.
+    n, batch = math.prod(shape), key.shape[:-1]
+    out = torch.stack(tuple(lanes), dim=0).flatten(0, 1)[:n]
+    return _batch_last_to_first(out.reshape(shape + batch), len(batch))
 
 
 def _as_shape(shape) -> tuple[int, ...]:
@@ -221,9 +229,14 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     if isinstance(num, bool) or not isinstance(num, (int, torch.SymInt)) or (isinstance(num, int) and num < 1):
         raise ValueError(f"num must be a positive int, got {num!r}")
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
-    w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)
-    even, odd = torch.stack((w0, w2), dim=-1), torch.stack((w1, w3), dim=-1)  # (..., blocks, 2)
-    return _word_major(even.flatten(-2)[..., :num], odd.flatten(-2)[..., :num])
+    w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
+    even = torch.stack((w0, w2), dim=1).flatten(0, 1)[:num]  # (num, *batch): first words
+    odd = torch.stack((w1, w3), dim=1).flatten(0, 1)[:num]
+    # (2, num, *batch) in memory, (*batch, num, 2) to the caller: one word of one key index
+    # is contiguous across the batch, so kernels that use key i of every chain load vectors.
+    words = torch.stack((even, odd), dim=0)
+    n_batch = key.ndim - 1
+    return words.permute(*range(2, 2 + n_batch), 1, 0)
 
 
 def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
-import torch
 from torch import Tensor
 
 from fnebm import random as fr
 from fnebm.gradients import value_and_grad
-from fnebm.samplers.base import SamplingAlgorithm, check_energy, check_position, check_step_size
+from fnebm.samplers.base import (
+    SamplingAlgorithm,
+    batch_native,
+    check_batch,
+    check_energy,
+    check_position,
+    check_step_size,
+    event_all,
+    over_batch,
+    where_batch,
+)
 
 __all__ = ["LangevinState", "LangevinInfo", "langevin"]
 
@@ -19,7 +28,8 @@ class LangevinState(NamedTuple):
     """One chain's state. ``energy`` and ``grad`` are E and dE/dx at ``position``: caching them
     means a step evaluates the gradient once, at the proposal, instead of twice.
 
-    position: ``event`` (e.g. ``(dim,)``); energy: ``()``; grad: ``event``.
+    position: ``event`` (e.g. ``(dim,)``); energy: ``()``; grad: ``event``. Many chains: each
+    field leads with the chain axes.
     """
 
     position: Tensor
@@ -40,6 +50,8 @@ def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float, noise_scal
     With ``noise_scale=1`` it targets ``exp(-E)`` up to an O(step_size) bias; ``noise_scale=0``
     is gradient descent. Returns ``SamplingAlgorithm(init, step)`` for one chain:
     ``init(position: event) -> LangevinState``, ``step(state, key: (2,)) -> (state, LangevinInfo)``.
+    ``step`` also takes keys ``(*batch, 2)`` with a state leading with ``batch`` and then equals
+    ``vmap(step)``.
     """
     check_energy(energy_fn)
     step_size = check_step_size(step_size)
@@ -52,16 +64,18 @@ def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float, noise_scal
         energy, grad = vg(position)
         return LangevinState(position, energy, grad)
 
+    @batch_native
     def step(state: LangevinState, key: Tensor) -> tuple[LangevinState, LangevinInfo]:
-        fr.check_key(key)
+        n_batch = check_batch(state, key)
         x = state.position
-        proposal = x - step_size * state.grad + scale * fr.normal(key, x.shape, x.dtype)
-        energy, grad = vg(proposal)
-        finite = torch.isfinite(energy) & torch.isfinite(grad).all() & torch.isfinite(proposal).all()
+        noise = fr.normal(key, x.shape[n_batch:], x.dtype)
+        proposal = x - step_size * state.grad + scale * noise
+        energy, grad = over_batch(vg, n_batch)(proposal)
+        finite = energy.isfinite() & event_all(grad.isfinite() & proposal.isfinite(), n_batch)
         new = LangevinState(
-            torch.where(finite, proposal, x),
-            torch.where(finite, energy, state.energy),
-            torch.where(finite, grad, state.grad),
+            where_batch(finite, proposal, x),
+            where_batch(finite, energy, state.energy),
+            where_batch(finite, grad, state.grad),
         )
         return new, LangevinInfo(is_divergent=~finite)
 

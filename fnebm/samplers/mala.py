@@ -10,7 +10,18 @@ from torch import Tensor
 
 from fnebm import random as fr
 from fnebm.gradients import value_and_grad
-from fnebm.samplers.base import SamplingAlgorithm, check_energy, check_position, check_step_size
+from fnebm.samplers.base import (
+    SamplingAlgorithm,
+    batch_native,
+    check_batch,
+    check_energy,
+    check_position,
+    check_step_size,
+    event_all,
+    event_sum,
+    over_batch,
+    where_batch,
+)
 
 __all__ = ["MALAState", "MALAInfo", "mala", "log_acceptance_ratio"]
 
@@ -19,7 +30,8 @@ class MALAState(NamedTuple):
     """One chain's state. ``energy`` and ``grad`` at ``position`` are cached because both the
     next proposal (the drift) and the acceptance ratio need them: one gradient per step.
 
-    position: ``event``; energy: ``()``; grad: ``event``.
+    position: ``event``; energy: ``()``; grad: ``event``. Many chains: each field leads with
+    the chain axes.
     """
 
     position: Tensor
@@ -42,11 +54,13 @@ def log_acceptance_ratio(
     """``log alpha`` of MALA's move ``x -> proposal``: ``E(x) - E(x') + log q(x | x') - log q(x' | x)``.
 
     ``q(b | a) = N(b; a - step_size * grad E(a), 2 step_size I)``. Antisymmetric in the two
-    points (detailed balance); 0-dim.
+    points (detailed balance). Shapes: positions and gradients ``(*batch, *event)``, energies
+    ``batch``; returns ``batch`` (0-dim for one chain).
     """
+    n_batch = energy.ndim
     forward = proposal - x + step_size * grad
     backward = x - proposal + step_size * new_grad
-    log_q_ratio = ((forward * forward).sum() - (backward * backward).sum()) / (4.0 * step_size)
+    log_q_ratio = event_sum(forward * forward - backward * backward, n_batch) / (4.0 * step_size)
     return energy - new_energy + log_q_ratio
 
 
@@ -58,6 +72,8 @@ def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float) -> SamplingAlg
     arithmetic (``torch.where``), so the step traces into one graph.
     Returns ``SamplingAlgorithm(init, step)`` for one chain:
     ``init(position: event) -> MALAState``, ``step(state, key: (2,)) -> (state, MALAInfo)``.
+    ``step`` also takes keys ``(*batch, 2)`` with a state leading with ``batch`` and then equals
+    ``vmap(step)``.
     """
     check_energy(energy_fn)
     step_size = check_step_size(step_size)
@@ -69,21 +85,22 @@ def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float) -> SamplingAlg
         energy, grad = vg(position)
         return MALAState(position, energy, grad)
 
+    @batch_native
     def step(state: MALAState, key: Tensor) -> tuple[MALAState, MALAInfo]:
-        fr.check_key(key)
+        n_batch = check_batch(state, key)
         keys = fr.split(key)
         x, energy, grad = state
-        noise = fr.normal(keys[..., 0, :], x.shape, x.dtype)
+        noise = fr.normal(keys[..., 0, :], x.shape[n_batch:], x.dtype)
         proposal = x - step_size * grad + scale * noise
-        new_energy, new_grad = vg(proposal)
+        new_energy, new_grad = over_batch(vg, n_batch)(proposal)
         log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, step_size)
-        finite = torch.isfinite(new_energy) & torch.isfinite(new_grad).all() & torch.isfinite(log_alpha)
+        finite = new_energy.isfinite() & event_all(new_grad.isfinite(), n_batch) & log_alpha.isfinite()
         log_alpha = torch.where(finite, log_alpha, torch.full_like(log_alpha, -math.inf))
         accepted = torch.log(fr.uniform(keys[..., 1, :], (), x.dtype)) < log_alpha
         new = MALAState(
-            torch.where(accepted, proposal, x),
-            torch.where(accepted, new_energy, energy),
-            torch.where(accepted, new_grad, grad),
+            where_batch(accepted, proposal, x),
+            where_batch(accepted, new_energy, energy),
+            where_batch(accepted, new_grad, grad),
         )
         info = MALAInfo(torch.exp(torch.clamp_max(log_alpha, 0.0)), accepted, ~finite)
         return new, info
