@@ -51,6 +51,11 @@ def _fresh(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+# Inductor does not put graphs holding a scan in its on-disk FX graph cache unless told the
+# operator is safe to cache; the scan's body is part of the graph it hashes, so it is.
+_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__}}
+
+
 def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Callable:
     """``run(leaves, key, ts: (L,)) -> (leaves, kept: (L, ...) leaves, info: (L, ...) leaves)``."""
     # A batch-native step (fnebm's samplers) takes the chain keys directly: its random draws
@@ -87,7 +92,7 @@ def _make_runner(step, collect, batched: bool, state_spec, compiled: bool) -> Ca
         leaves, (kept, info) = scan(lambda carry, t: advance(carry, chain_keys, t), tuple(leaves), ts)
         return leaves, kept, info
 
-    return torch.compile(_fresh(run), fullgraph=True)
+    return torch.compile(_fresh(run), fullgraph=True, options=_COMPILE_OPTIONS)
 
 
 def _runner(step, collect, state, batched, state_spec, compiled) -> tuple[Callable, Any, Any]:
