@@ -73,6 +73,18 @@ def test_batched_calls_equal_vmap():
     assert torch.equal(fr.fold_in(keys, 9), vm(lambda k: fr.fold_in(k, 9))(keys))
     # each row of a batched draw is the draw of that row's key
     assert torch.equal(fr.normal(keys, (4,))[2], fr.normal(keys[2], (4,)))
+    # two batch axes: the same as vmap twice
+    grid = fr.split(fr.key(4), 12).reshape(3, 4, 2)
+    assert torch.equal(fr.normal(grid, (5,)), vm(vm(lambda k: fr.normal(k, (5,))))(grid))
+    assert torch.equal(fr.split(grid, 3), vm(vm(lambda k: fr.split(k, 3)))(grid))
+
+
+def test_batched_keys_are_stored_word_major():
+    # a word of one key index is contiguous across the batch, so kernels load it as a vector
+    keys = fr.split(fr.key(0), 8)
+    assert keys.stride() == (1, 8)
+    assert fr.split(keys, 2)[..., 0, :].stride()[0] == 1
+    assert fr.fold_in(keys, 3).stride() == (1, 8)
 
 
 def _z(sample_mean, true_mean, true_var, n):

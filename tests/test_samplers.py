@@ -68,6 +68,31 @@ def test_vmapped_step_equals_loop_over_chains(make, target):
             torch.testing.assert_close(got, want[c])
 
 
+@pytest.mark.parametrize("make", [lambda e: fnebm.mala(e, 0.3), lambda e: fnebm.langevin(e, 0.1)])
+@pytest.mark.parametrize("batch", [(6,), (2, 3)])
+def test_batched_step_equals_vmap(make, target, batch):
+    # fnebm's steps take a batch of keys directly; that must equal vmap over the batch axes
+    alg = make(target)
+    n = math.prod(batch)
+    x = fr.normal(fr.key(5), (n, 2), dtype=F64).reshape(*batch, 2)
+    keys = fr.split(fr.key(6), n).reshape(*batch, 2)
+    vm = torch.func.vmap
+    init, step = (vm(alg.init), vm(alg.step)) if len(batch) == 1 else (vm(vm(alg.init)), vm(vm(alg.step)))
+    states = init(x)
+    direct, dinfo = alg.step(states, keys)
+    mapped, minfo = step(states, keys)
+    for got, want in zip(direct + dinfo, mapped + minfo):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+def test_batched_step_rejects_keys_that_do_not_match_the_chains(target):
+    alg = fnebm.mala(target, 0.3)
+    states = torch.func.vmap(alg.init)(torch.zeros(4, 2, dtype=F64))
+    with pytest.raises(ValueError, match="one key per chain"):
+        alg.step(states, fr.split(fr.key(0), 3))
+
+
 def test_state_caches_energy_and_gradient(target):
     alg = fnebm.mala(target, 0.2)
     state, _ = alg.step(alg.init(torch.zeros(2, dtype=F64)), fr.key(0))
