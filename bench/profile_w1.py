@@ -2,8 +2,10 @@
 
     python bench/profile_w1.py [--chains 10000] [--steps 100] [--repeats 7]
 
-Each variant is a step function run by fnebm.sample_chain (compiled, warm medians), so the
-differences split the time into RNG (key derivation + normals), gradient and the rest.
+Each variant is a batch-native step function (it takes every chain's key at once, as
+fnebm's samplers do) run by fnebm.sample_chain (compiled, warm medians), so the differences
+split the time into the trajectory and loop, RNG (key derivation + normals), gradient and the
+rest (energy value, divergence checks, cached state).
 """
 
 import argparse
@@ -17,6 +19,7 @@ import torch
 import fnebm
 from fnebm import energies
 from fnebm import random as fr
+from fnebm.samplers.base import batch_native
 
 
 class S(NamedTuple):
@@ -34,25 +37,36 @@ def main():
     eta, scale = 0.01, math.sqrt(2 * 0.01)
     x0 = fr.normal(fr.key(0), (a.chains, 10))
 
-    def rng_only(s, key):  # the fold_in is done by sample_chain; this adds the normals
-        return S(s.position + fr.normal(key, s.position.shape), s.energy), ()
+    grad = torch.func.vmap(e.grad)  # the closed-form gradient, per chain
 
-    def grad_only(s, key):
-        return S(s.position - eta * e.grad(s.position), s.energy), ()
+    @batch_native
+    def copy_only(s, key):  # the loop and the trajectory buffer, nothing else
+        return S(s.position * 1.0, s.energy), ()
 
+    @batch_native
     def keys_only(s, key):  # sample_chain's per-step fold_in, and nothing else
-        return S(s.position + key[0].to(s.position.dtype) * 0, s.energy), ()
+        return S(s.position + key[..., :1].to(s.position.dtype) * 0, s.energy), ()
 
-    def analytic(s, key):  # Langevin with the closed-form gradient instead of autograd
-        return S(s.position - eta * e.grad(s.position) + scale * fr.normal(key, s.position.shape), s.energy), ()
+    @batch_native
+    def rng_only(s, key):  # fold_in + the normals
+        return S(s.position + fr.normal(key, s.position.shape[1:]), s.energy), ()
+
+    @batch_native
+    def grad_only(s, key):
+        return S(s.position - eta * grad(s.position), s.energy), ()
+
+    @batch_native
+    def analytic(s, key):  # Langevin with the closed-form gradient, no energy, no checks
+        return S(s.position - eta * grad(s.position) + scale * fr.normal(key, s.position.shape[1:]), s.energy), ()
 
     alg = fnebm.langevin(e, eta)
     variants = {
-        "full Langevin step (autograd)": (alg.step, torch.func.vmap(alg.init)(x0)),
-        "Langevin, closed-form grad": (analytic, S(x0, torch.zeros(a.chains))),
-        "fold_in only": (keys_only, S(x0, torch.zeros(a.chains))),
+        "full Langevin step (fnebm.langevin)": (alg.step, torch.func.vmap(alg.init)(x0)),
+        "closed-form grad + noise only": (analytic, S(x0, torch.zeros(a.chains))),
         "fold_in + normal": (rng_only, S(x0, torch.zeros(a.chains))),
+        "fold_in only": (keys_only, S(x0, torch.zeros(a.chains))),
         "gradient only (no RNG)": (grad_only, S(x0, torch.zeros(a.chains))),
+        "copy only (loop + trajectory)": (copy_only, S(x0, torch.zeros(a.chains))),
     }
     key = fr.key(1)
     print(f"{a.chains} chains x {a.steps} steps, 10-D double well; warm medians of {a.repeats}")
@@ -66,7 +80,7 @@ def main():
             t0 = time.perf_counter()
             run()
             warm.append(time.perf_counter() - t0)
-        print(f"  {name:<32} cold {cold:6.2f} s   warm {statistics.median(warm) * 1e3:8.2f} ms")
+        print(f"  {name:<36} cold {cold:6.2f} s   warm {statistics.median(warm) * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """fnebm side by side with its peers, in one process run.
 
-    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W3,RNG]
+    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W3,RNG] [--fresh-cache]
 
 Workloads (fixed, so that runs compare over time):
   W1   unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
@@ -12,6 +12,9 @@ Workloads (fixed, so that runs compare over time):
 Every implementation keeps the whole trajectory (draws x chains x dim), as a sampler's user
 would. Cold = the first call in this process (compilation included); warm = the median of
 --repeats further calls. The ratio is peer warm / fnebm warm (> 1: fnebm is faster).
+fnebm's cold time depends on Inductor's on-disk cache: by default the machine's cache is used
+(a second process reuses the compiled graphs); --fresh-cache points Inductor at an empty
+directory, which gives the cold time of a first run ever.
 Peers are optional (`pip install -e .[bench]`); a missing one is reported, not fatal.
 """
 
@@ -24,14 +27,18 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
-import torch
+if "--fresh-cache" in sys.argv:  # Inductor reads its cache directory when torch is imported
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fnebm-bench-inductor-")
 
-import fnebm
-from fnebm import energies
-from fnebm import random as fr
+import torch  # noqa: E402
+
+import fnebm  # noqa: E402
+from fnebm import energies  # noqa: E402
+from fnebm import random as fr  # noqa: E402
 
 H, B, DIM, ETA = 2.0, 1.0, 10, 0.01
 
@@ -233,12 +240,24 @@ def _fmt(row):
     return f"  {row['impl']:<16} {row['cold_s']:>9.3f} {row['warm_s'] * 1e3:>13.2f} {row['ratio']:>10.2f}x"
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="fnebm vs TorchEBM, PyTorch and JAX/BlackJAX, side by side")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=7, help="warm runs per implementation (median)")
     parser.add_argument("--json", default="bench/results.json", help="where to write the table as JSON")
     parser.add_argument("--only", default="W1,W3,RNG", help="comma-separated workloads")
+    parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty Inductor cache")
     args = parser.parse_args(argv)
     if args.repeats < 5:
         parser.error("--repeats must be >= 5")
@@ -251,9 +270,10 @@ def main(argv=None):
         python=platform.python_version(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
-        cpu=platform.processor() or platform.machine(),
+        cpu=_cpu_model(),
         cores=os.cpu_count(),
         device="cpu",
+        inductor_cache="fresh" if args.fresh_cache else "machine",
     )
     print(f"torch {machine['torch']}, {machine['threads']} threads, {machine['cores']} cores; warm = median of {args.repeats}")
     results = []
@@ -268,6 +288,7 @@ def main(argv=None):
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
             json.dump(dict(machine=machine, quick=args.quick, repeats=args.repeats, results=results), f, indent=2)
+            f.write("\n")
         os.replace(tmp, args.json)
         print(f"\nwrote {args.json}")
     return 0
