@@ -255,10 +255,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="fnebm vs TorchEBM, PyTorch and JAX/BlackJAX, side by side")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=7, help="warm runs per implementation (median)")
-    parser.add_argument("--json", default="bench/results.json", help="where to write the table as JSON")
+    parser.add_argument(
+        "--json", default=None, help="where to write the table as JSON (default: bench/results.json, or bench/results-quick.json with --quick)"
+    )
     parser.add_argument("--only", default="W1,W3,RNG", help="comma-separated workloads")
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty Inductor cache")
     args = parser.parse_args(argv)
+    if args.json is None:
+        args.json = "bench/results-quick.json" if args.quick else "bench/results.json"
     if args.repeats < 5:
         parser.error("--repeats must be >= 5")
     names = [n.strip() for n in args.only.split(",") if n.strip()]
