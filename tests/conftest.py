@@ -1,6 +1,8 @@
 """Shared targets and compiled runs: compiling costs seconds on a 2-core CPU, so each sampler
 graph is built once per session and every test that needs it reuses it."""
 
+import math
+
 import pytest
 import torch
 
@@ -9,6 +11,12 @@ from fnebm import energies as E
 from fnebm import random as fr
 
 F64 = torch.float64
+
+
+def walled(x):
+    """Finite for x[0] < 0.5, +inf beyond: proposals across the wall must never be taken."""
+    return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.full_like(x[0], math.inf))
+
 MEAN = torch.tensor([1.0, -1.0], dtype=F64)
 COV = torch.tensor([[1.0, 0.8], [0.8, 1.0]], dtype=F64)
 N_CHAINS = 4096

@@ -1,12 +1,10 @@
-import math
-
 import pytest
 import torch
 
 import fnebm
 from fnebm import random as fr
 
-from conftest import N_CHAINS
+from conftest import N_CHAINS, walled
 
 F64 = torch.float64
 
@@ -167,15 +165,10 @@ def test_outputs_are_contiguous(mala_run):
     assert trace.is_contiguous() and all(x.is_contiguous() for x in info)
 
 
-def _walled(x):
-    # finite for x[0] < 0.5, +inf beyond: proposals across the wall must never be taken
-    return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.full_like(x[0], math.inf))
-
-
 @pytest.mark.parametrize("make", [lambda e: fnebm.mala(e, 0.5), lambda e: fnebm.langevin(e, 0.5)])
 def test_compiled_chain_never_turns_non_finite(make):
     # the divergence checks must survive Inductor (which folds some float identities, e.g. x * 0)
-    alg = make(_walled)
+    alg = make(walled)
     state = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
     final, trace, info = fnebm.sample_chain(alg.step, state, fr.key(0), 12, progress=False)
     eager = fnebm.sample_chain(alg.step, state, fr.key(0), 12, compile=False, progress=False)

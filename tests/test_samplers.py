@@ -8,7 +8,7 @@ import fnebm
 from fnebm import diagnostics, energies as E, random as fr
 from fnebm.samplers.mala import log_acceptance_ratio
 
-from conftest import COV, MEAN, N_CHAINS
+from conftest import COV, MEAN, N_CHAINS, walled
 
 F64 = torch.float64
 Z = 4.5  # |z| bound for moment checks: a false alarm about once in 150,000 per check
@@ -136,16 +136,11 @@ def test_mala_on_a_flat_energy_accepts_everything():
     assert torch.equal(info.acceptance_rate, torch.ones(64)) and info.is_accepted.all()
 
 
-def _walled(x):
-    # finite for x[0] < 0.5, +inf beyond: proposals across the wall must never be taken
-    return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.tensor(math.inf))
-
-
 def _nan_beyond(x):
     return torch.where(x[0] < 0.5, 0.5 * (x * x).sum(), torch.tensor(math.nan))
 
 
-@pytest.mark.parametrize("energy", [_walled, _nan_beyond])
+@pytest.mark.parametrize("energy", [walled, _nan_beyond])
 def test_mala_rejects_non_finite_proposals(energy):
     alg = fnebm.mala(energy, 0.5)
     state = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
@@ -162,7 +157,7 @@ def test_mala_rejects_non_finite_proposals(energy):
 
 
 def test_langevin_flags_divergence_and_stays_put():
-    alg = fnebm.langevin(_walled, 0.5)
+    alg = fnebm.langevin(walled, 0.5)
     start = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
     state, info = torch.func.vmap(alg.step)(start, fr.split(fr.key(0), 256))
     assert info.is_divergent.any() and not info.is_divergent.all()
