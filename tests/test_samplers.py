@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import fnebm
 from fnebm import diagnostics, energies as E, random as fr
+from fnebm.samplers.base import over_batch
 from fnebm.samplers.mala import log_acceptance_ratio
 
 from conftest import COV, MEAN, N_CHAINS, walled
@@ -76,11 +77,9 @@ def test_batched_step_equals_vmap(make, target, batch):
     n = math.prod(batch)
     x = fr.normal(fr.key(5), (n, 2), dtype=F64).reshape(*batch, 2)
     keys = fr.split(fr.key(6), n).reshape(*batch, 2)
-    vm = torch.func.vmap
-    init, step = (vm(alg.init), vm(alg.step)) if len(batch) == 1 else (vm(vm(alg.init)), vm(vm(alg.step)))
-    states = init(x)
+    states = over_batch(alg.init, len(batch))(x)
     direct, dinfo = alg.step(states, keys)
-    mapped, minfo = step(states, keys)
+    mapped, minfo = over_batch(alg.step, len(batch))(states, keys)  # nested vmap
     for got, want in zip(direct + dinfo, mapped + minfo):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want)
