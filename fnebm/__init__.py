@@ -5,10 +5,10 @@ samplers are ``SamplingAlgorithm(init, step)`` pairs (:mod:`fnebm.samplers`), an
 :func:`sample_chain` runs a whole chain as one compiled region.
 """
 
-from fnebm import diagnostics, energies, random, samplers
-from fnebm.chain import sample_chain
+from fnebm import chain, diagnostics, energies, integrators, random, samplers
+from fnebm.chain import ChainState, sample_chain
 from fnebm.gradients import score, value_and_grad
-from fnebm.samplers import SamplingAlgorithm, langevin, mala
+from fnebm.samplers import SamplingAlgorithm, langevin, mala, vmap_chains
 
 __version__ = "0.1.0"
 
@@ -17,7 +17,11 @@ __all__ = [
     "energies",
     "samplers",
     "diagnostics",
+    "chain",
+    "integrators",
     "sample_chain",
+    "ChainState",
+    "vmap_chains",
     "value_and_grad",
     "score",
     "SamplingAlgorithm",

@@ -11,7 +11,6 @@ status 2. ``main(argv) -> int`` is the entry point of the console script and of
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -100,13 +99,9 @@ def _collect(state: Any) -> tuple[Tensor, Tensor]:
     return state.position, state.energy
 
 
-# Module level on purpose: sample_chain caches compiled graphs per (step, collect).
-COLLECT = _collect
-
-
-@functools.lru_cache(maxsize=8)
 def _build(energy: str, sampler: str, step_size: float, dim: int, dtype: torch.dtype, device: str):
-    """``(energy, algorithm)``; cached so repeated runs in one process reuse the compiled graph."""
+    """``(energy, algorithm)``. A rebuilt sampler of the same kind and shapes reuses the compiled
+    graph (``sample_chain`` keys graphs by code, and parameters are graph inputs)."""
     target = ENERGIES[energy].build(dim, dtype, torch.device(device))
     target.check_dim(dim)
     return target, SAMPLERS[sampler](target, step_size)
@@ -313,13 +308,13 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         # sample_chain reuses one graph for every run length >= 2: a 2-step run compiles it
         # (a 1-step run has a graph of its own: then that one is compiled)
         t0 = time.perf_counter()
-        fnebm.sample_chain(alg.step, state, run_key, min(2, cfg.burn_in + cfg.steps), collect=COLLECT, progress=False)
+        fnebm.sample_chain(alg.step, state, run_key, min(2, cfg.burn_in + cfg.steps), collect=_collect, progress=False)
         _sync(device)
         compile_s = time.perf_counter() - t0
     n_kept = cfg.steps // cfg.thin
     t0 = time.perf_counter()
     _, (positions, energies), info = fnebm.sample_chain(
-        alg.step, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin, collect=COLLECT,
+        alg.step, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin, collect=_collect,
         chunk_size=_chunk_size(cfg.burn_in + cfg.steps, n_kept, cfg.progress),
         compile=cfg.compile, progress=cfg.progress,
     )

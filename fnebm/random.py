@@ -38,6 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fnebm import _checks
+
 __all__ = [
     "key",
     "split",
@@ -66,16 +68,17 @@ _NORMAL_FLOOR = 1.0e-7
 
 
 def check_key(key: torch.Tensor, name: str = "key") -> None:
-    """Raise ``TypeError``/``ValueError`` unless ``key`` is an int64 tensor of shape ``(..., 2)``.
+    """Raise ``TypeError``/``ValueError`` unless ``key`` is an int64 tensor of shape ``(..., 2)``
+    whose words lie in ``[0, 2**32)``.
 
-    Looks at metadata only (dtype and shape), so it costs nothing under ``torch.compile``.
+    The dtype and shape are metadata, checked everywhere (free under ``torch.compile``). The
+    word range needs the values: it is checked for keys on the CPU in eager code, where it
+    costs no device sync, and skipped under ``torch.compile``, ``torch.func`` transforms and
+    for keys on an accelerator (``fnebm.sample_chain`` checks its key once, on any device).
     """
-    if not isinstance(key, torch.Tensor):
-        raise TypeError(f"{name} must be a key tensor from fnebm.random.key(seed), got {type(key).__name__}")
-    if key.dtype != torch.int64:
-        raise TypeError(f"{name} must have dtype torch.int64 (a key from fnebm.random.key), got {key.dtype}")
-    if key.ndim == 0 or key.shape[-1] != 2:
-        raise ValueError(f"{name} must have shape (..., 2) (two 32-bit words per key), got {tuple(key.shape)}")
+    _checks.check_key(key, name)
+    if key.device.type == "cpu":
+        _checks.check_key_values(key, name)
 
 
 def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -250,11 +253,10 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         if data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
             raise TypeError(f"data must be an integer or integer tensor, got dtype {data.dtype}")
         data = data.to(device=key.device, dtype=torch.int64)
-    elif isinstance(data, bool) or not isinstance(data, int):
-        raise TypeError(f"data must be an integer or integer tensor, got {type(data).__name__}")
-    elif not -(2**63) <= data < 2**63:
-        raise ValueError(f"data must fit in int64, got {data}")
     else:
+        data = _checks.check_int("data", data)
+        if not -(2**63) <= data < 2**63:
+            raise ValueError(f"data must fit in int64, got {data}")
         data = torch.tensor(data, dtype=torch.int64, device=key.device)
     d_lo = data & _M32
     d_hi = (data >> 32) & _M32

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,7 @@ def test_compiled_equals_eager(mala_alg, mala_state, mala_run):
     kw = dict(burn_in=3, progress=False)
     f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, **kw)
     f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, compile=False, **kw)
-    _close(f1, f2)
+    _close(f1.state, f2.state)
     _close([t1], [t2])
     assert torch.equal(i1.is_accepted, i2.is_accepted)
     assert t1.shape == (8, N_CHAINS, 2) and i1.acceptance_rate.shape == (8, N_CHAINS)
@@ -32,22 +33,23 @@ def test_compiled_equals_eager(mala_alg, mala_state, mala_run):
 
 def test_chunked_equals_one_call(mala_alg, mala_state, mala_run):
     one = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, progress=False)
-    timings = {}
+    calls = []
     chunked = fnebm.sample_chain(
-        mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, chunk_size=4, progress=False, timings=timings
+        mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, chunk_size=4, progress=False,
+        on_chunk=lambda done, total, s: calls.append((done, total, s)),
     )
-    _close(one[0], chunked[0])
+    _close(one[0].state, chunked[0].state)
     _close([one[1]], [chunked[1]])
     _close(one[2], chunked[2])
-    assert timings["n_calls"] == 2 + 5 and timings["first_call_s"] > 0
+    assert [c[0] for c in calls] == [4, 8, 12, 16, 20, 24, 26] and all(c[1] == 26 and c[2] > 0 for c in calls)
 
 
 def test_draw_j_is_the_state_after_its_step(mala_alg, mala_state, mala_run):
     # thin=1: the last kept draw is the final state, and a run of k steps ends at draw k - 1
     final, trace, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 10, burn_in=2, progress=False)
-    torch.testing.assert_close(trace[-1], final.position)
+    torch.testing.assert_close(trace[-1], final.state.position)
     shorter, _, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 4, burn_in=2, progress=False)
-    torch.testing.assert_close(trace[3], shorter.position)
+    torch.testing.assert_close(trace[3], shorter.state.position)
 
 
 def test_thinning_compiled_equals_eager(mala_alg, mala_state):
@@ -55,7 +57,7 @@ def test_thinning_compiled_equals_eager(mala_alg, mala_state):
     kw = dict(burn_in=4, thin=3, progress=False)
     f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, **kw)
     f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, compile=False, **kw)
-    _close(f1, f2)
+    _close(f1.state, f2.state)
     _close([t1], [t2])
     _close(i1, i2)
     assert t1.shape == (3, N_CHAINS, 2)
@@ -71,7 +73,7 @@ def test_each_chain_runs_on_its_own_key(mala_alg, mala_state):
     c = 17
     one = mala_alg.init(mala_state.position[c])
     _, single, info = fnebm.sample_chain(
-        mala_alg.step, one, fr.split(key, N_CHAINS)[c], 5, compile=False, progress=False
+        mala_alg.step, one, fr.split(key, N_CHAINS)[c], 5, compile=False, progress=False, chain_ndim=0
     )
     torch.testing.assert_close(single, batched[:, c])
     assert single.shape == (5, 2) and info.is_accepted.shape == (5,)
@@ -108,11 +110,16 @@ def test_inputs_are_not_mutated(mala_alg, mala_state):
         (dict(thin=5, n_steps=4), ValueError, "thin must be <= n_steps"),
         (dict(chunk_size=0), ValueError, "chunk_size"),
         (dict(collect="position"), TypeError, "collect must be callable"),
-        (dict(key=fr.split(fr.key(0), 3)), ValueError, r"key must be one key of shape \(2,\)"),
+        (dict(key=fr.split(fr.key(0), 3)), ValueError, r"key has chain shape \(3,\) but the state's chains are \(4096,\)"),
+        (dict(key=torch.tensor([-5, 2**40])), ValueError, r"key has words outside \[0, 2\*\*32\)"),
+        (dict(key=None), TypeError, "key must be a key tensor"),
+        (dict(n_steps=np.float64(3.0)), TypeError, "n_steps must be an int"),
+        (dict(chain_ndim=2), ValueError, "every state field must lead with the chain axes"),
+        (dict(on_chunk=3), TypeError, "on_chunk must be callable"),
         (dict(key=torch.zeros(2)), TypeError, "key must have dtype torch.int64"),
         (dict(step="mala"), TypeError, "step must be callable"),
         (dict(state=(1.0, 2.0)), TypeError, "state must be a pytree"),
-        (dict(state=(torch.zeros(3), torch.zeros(3))), ValueError, "pass batched=True or False"),
+        (dict(state=(torch.zeros(3), torch.zeros(2))), ValueError, "every state field must lead with the chain axes"),
     ],
 )
 def test_bad_arguments_raise(kwargs, exc, match, mala_alg, mala_state):
@@ -123,7 +130,7 @@ def test_bad_arguments_raise(kwargs, exc, match, mala_alg, mala_state):
 
 
 def test_chunks_never_leave_a_lone_step():
-    from fnebm.chain import _chunks
+    from fnebm.chain.schedule import chunks as _chunks
 
     for total in range(1, 40):
         for size in range(1, 12):
@@ -142,26 +149,35 @@ def test_step_may_pass_fields_through(mala_alg, mala_state):
     f1, t1, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, progress=False)
     f2, t2, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, compile=False, progress=False)
     _close([t1], [t2])
-    torch.testing.assert_close(f1.grad, mala_state.grad)
+    torch.testing.assert_close(f1.state.grad, mala_state.grad)
 
 
-def test_batch_native_step_equals_the_vmapped_one(mala_alg, mala_state):
-    # fnebm's steps are called with all chain keys at once; a plain wrapper goes through vmap
-    def plain(state, key):
+def test_one_chain_step_is_batched_by_saying_so(mala_alg, mala_state):
+    # a step written for one chain runs over chains through vmap_chains, and equals the batched step
+    def one_chain(state, key):
+        assert key.shape == (2,)
         return mala_alg.step(state, key)
 
     kw = dict(burn_in=2, compile=False, progress=False)
     native = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(4), 6, **kw)
-    mapped = fnebm.sample_chain(plain, mala_state, fr.key(4), 6, **kw)
-    _close(native[0], mapped[0])
+    mapped = fnebm.sample_chain(fnebm.vmap_chains(one_chain), mala_state, fr.key(4), 6, **kw)
+    _close(native[0].state, mapped[0].state)
     _close([native[1]], [mapped[1]])
     _close(native[2], mapped[2])
+
+
+def test_unwrapped_one_chain_step_is_refused_with_a_hint(mala_state):
+    def one_chain(state, key):  # draws noise of the position's shape for one key: wrong for a batch
+        return state._replace(position=state.position + fr.normal(key, state.position.shape, F64)), ()
+
+    with pytest.raises(ValueError, match="vmap_chains"):
+        fnebm.sample_chain(one_chain, mala_state, fr.key(0), 3, compile=False, progress=False)
 
 
 def test_outputs_are_contiguous(mala_run):
     # chains run chain-innermost in memory; what the caller gets back is ordinary row-major
     final, trace, info = mala_run
-    assert all(x.is_contiguous() for x in final)
+    assert all(x.is_contiguous() for x in final.state)
     assert trace.is_contiguous() and all(x.is_contiguous() for x in info)
 
 
@@ -173,7 +189,7 @@ def test_compiled_chain_never_turns_non_finite(make):
     final, trace, info = fnebm.sample_chain(alg.step, state, fr.key(0), 12, progress=False)
     eager = fnebm.sample_chain(alg.step, state, fr.key(0), 12, compile=False, progress=False)
     assert info.is_divergent.any()  # the wall was hit, so the checks were exercised
-    assert torch.isfinite(trace).all() and torch.isfinite(final.energy).all()
+    assert torch.isfinite(trace).all() and torch.isfinite(final.state.energy).all()
     assert (trace[..., 0] < 0.5).all()
     torch.testing.assert_close(trace, eager[1])
     assert torch.equal(info.is_divergent, eager[2].is_divergent)

@@ -88,7 +88,7 @@ def test_sample_writes_draws_summary_and_plot(compiled):
 
 
 def test_rerun_replaces_outputs_atomically_with_same_draws(compiled, tmp_path, capsys):
-    # the second compiled run: the build cache hands sample_chain the same step, so no recompile
+    # the second compiled run: a rebuilt sampler of the same kind and shapes reuses the graph
     _, _, _, first_pt, _ = compiled
     out, png = tmp_path / "samples.pt", tmp_path / "samples.png"
     out.write_bytes(b"old")

@@ -1,4 +1,9 @@
+import dataclasses
+import io
 import math
+import pickle
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -6,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import distributions as D
 from torch import nn
+from torch.func import grad, vmap
+from torch.utils import _pytree as pytree
 
 from fnebm import energies as E
 from fnebm.gradients import score, value_and_grad
@@ -339,6 +346,8 @@ BAD = [
     (lambda: value_and_grad(3), TypeError, "energy must be callable"),
     (lambda: score(None), TypeError, "energy must be callable"),
     (lambda: E.harmonic().to(dtype=torch.int32), TypeError, "dtype must be a floating"),
+    (lambda: E.from_logdensity(3), TypeError, "logdensity_fn must be callable"),
+    (lambda: E.from_logdensity(lambda x: x).check_dim(0), ValueError, "dim must be >= 1"),
 ]
 
 
@@ -346,3 +355,362 @@ BAD = [
 def test_bad_inputs_raise(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# ------------------------------------------------------------------ energies are pytrees
+
+
+def _field_values(e):
+    return [getattr(e, f.name) for f in dataclasses.fields(e)]
+
+
+def _stack(energies):
+    """One energy whose leaves carry a leading axis: the given energies, stacked."""
+    return pytree.tree_map(lambda *ts: torch.stack(ts), *energies)
+
+
+def _variants(e, n=3):
+    """``n`` energies of ``e``'s family and shapes, with different parameter values."""
+    return [pytree.tree_map(lambda t: t * (1 + 0.25 * i), e) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_energy_is_a_pytree_of_its_parameters(family):
+    e = make(family, 3)
+    leaves, spec = pytree.tree_flatten(e)
+    assert len(leaves) == len(_field_values(e))
+    assert all(a is b for a, b in zip(leaves, _field_values(e), strict=True))
+    rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert type(rebuilt) is type(e) and rebuilt is not e
+    assert all(a is b for a, b in zip(_field_values(rebuilt), _field_values(e), strict=True))
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=F64)
+    assert torch.equal(rebuilt(x), e(x)) and torch.equal(rebuilt.grad(x), e.grad(x))
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(e)[0]]
+    assert paths == [f".{f.name}" for f in dataclasses.fields(e)]
+    assert pytree.tree_structure(pytree.tree_map(torch.zeros_like, e)) == spec
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vmap_over_stacked_energies_equals_loop(family):
+    es = _variants(make(family, 3))
+    batched = _stack(es)
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=F64)
+    xs = torch.randn(3, 3, generator=_gen(8), dtype=F64)
+    values = vmap(lambda e, x: e(x), in_dims=(0, None))(batched, x)
+    assert values.shape == (3,)
+    torch.testing.assert_close(values, torch.stack([e(x) for e in es]))
+    torch.testing.assert_close(
+        vmap(lambda e, x: e.grad(x), in_dims=(0, None))(batched, x), torch.stack([e.grad(x) for e in es])
+    )
+    # energies and positions mapped together: one energy per chain
+    torch.testing.assert_close(vmap(lambda e, x: e(x))(batched, xs), torch.stack([e(x) for e, x in zip(es, xs)]))
+
+
+def test_vmap_over_harmonic_stiffness():
+    batched = E.Harmonic(torch.tensor([1.0, 2.0, 3.0], dtype=F64))  # a vmapped energy sees 0-dim k
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    energies_at = vmap(lambda e, x: e(x), in_dims=(0, None))
+    torch.testing.assert_close(energies_at(batched, x), torch.tensor([2.5, 5.0, 7.5], dtype=F64))
+    backend = CountingBackend()
+    compiled = torch.compile(energies_at, fullgraph=True, backend=backend)
+    for k in ([1.0, 2.0, 3.0], [0.5, 0.25, 4.0]):
+        batched = E.Harmonic(torch.tensor(k, dtype=F64))
+        torch.testing.assert_close(compiled(batched, x), energies_at(batched, x))
+    assert backend.graphs == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grad_over_energy_is_energy_shaped_and_matches_autograd(family):
+    e = make(family, 3)
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=F64)
+    g = grad(lambda e, x: e(x))(e, x)
+    assert type(g) is type(e)
+    leaves = [t.clone().requires_grad_() for t in pytree.tree_leaves(e)]
+    value = pytree.tree_unflatten(leaves, pytree.tree_structure(e))(x)
+    ref = torch.autograd.grad(value, leaves, allow_unused=True)
+    for got, want, leaf in zip(pytree.tree_leaves(g), ref, leaves, strict=True):
+        torch.testing.assert_close(got, torch.zeros_like(leaf) if want is None else want)
+
+
+def test_parameter_gradients_in_closed_form():
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    energy_grad = grad(lambda e, x: e(x))
+    torch.testing.assert_close(energy_grad(E.harmonic(2.0, dtype=F64), x).k, 0.5 * (x * x).sum())
+    h, b = 1.5, 0.8
+    g = energy_grad(E.double_well(h, b, dtype=F64), x)
+    torch.testing.assert_close(g.barrier_height, ((x * x - b**2) ** 2).sum())
+    torch.testing.assert_close(g.b, (h * 2 * (x * x - b**2) * (-2 * b)).sum())
+    gauss = make("gaussian_full", 3)
+    g = energy_grad(gauss, x)
+    torch.testing.assert_close(g.mean, -gauss.grad(x))  # dE/dmean = -P (x - mean)
+    delta = x - gauss.mean
+    torch.testing.assert_close(g.precision_tril, torch.outer(delta, delta @ gauss.precision_tril))
+    assert torch.equal(g.precision, torch.zeros_like(gauss.precision))  # the call reads only the factor
+
+
+# ------------------------------------------------------------------------- BoundEnergy
+
+
+def _mlp2(seed: int = 0) -> nn.Module:
+    net = nn.Sequential(
+        nn.utils.skip_init(nn.Linear, 2, 8, dtype=F64), nn.Tanh(), nn.utils.skip_init(nn.Linear, 8, 1, dtype=F64)
+    )
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=_gen(seed + p.numel()), dtype=F64))
+    return net
+
+
+def _new_params(params, seed):
+    g = _gen(seed)
+    return {k: 0.5 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
+
+
+def test_bound_energy_is_a_pytree_of_its_params():
+    energy_fn, params = E.from_module(_mlp2())
+    e = E.bind(energy_fn, params)
+    leaves, spec = pytree.tree_flatten(e)
+    assert all(a is b for a, b in zip(leaves, params.values(), strict=True))
+    rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(rebuilt, E.BoundEnergy) and rebuilt.energy_fn is energy_fn
+    x = torch.tensor([0.4, -0.3], dtype=F64)
+    assert torch.equal(rebuilt(x), e(x))
+    assert [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(e)[0]] == [
+        f".params[{k!r}]" for k in params
+    ]
+
+    g = grad(lambda e, x: e(x))(e, x)
+    assert isinstance(g, E.BoundEnergy) and g.energy_fn is energy_fn
+    want = grad(energy_fn)(params, x)
+    for k in params:
+        torch.testing.assert_close(g.params[k], want[k])
+
+    es = [E.bind(energy_fn, _new_params(params, s)) for s in range(3)]
+    torch.testing.assert_close(
+        vmap(lambda e, x: e(x), in_dims=(0, None))(_stack(es), x), torch.stack([e(x) for e in es])
+    )
+
+
+# ----------------------------------------------------------- one graph across parameters
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs Dynamo hands it and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _same_shape_energies(kind):
+    """Four energies of one family, same shapes, different parameter values."""
+    if kind == "gaussian_precision":
+        return [E.gaussian(torch.randn(2, generator=_gen(s), dtype=F64), precision=_spd(2, s)) for s in range(4)]
+    if kind == "double_well":
+        return [E.double_well(1.0 + s, 0.5 + 0.25 * s, dtype=F64) for s in range(4)]
+    if kind == "mixture":
+        return [
+            E.gaussian_mixture(
+                torch.randn(3, 2, generator=_gen(s), dtype=F64),
+                torch.rand(3, 2, generator=_gen(s + 10), dtype=F64) + 0.5,
+                torch.rand(3, generator=_gen(s + 20), dtype=F64) + 0.1,
+            )
+            for s in range(4)
+        ]
+    energy_fn, params = E.from_module(_mlp2())  # one module; new params dicts
+    return [E.bind(energy_fn, _new_params(params, s)) for s in range(4)]
+
+
+@pytest.mark.parametrize("kind", ["gaussian_precision", "double_well", "mixture", "bound"])
+def test_new_parameter_values_reuse_the_compiled_graph(kind):
+    def value_and_x_grad(e, x):
+        return e(x), grad(e)(x)
+
+    backend = CountingBackend()
+    compiled = torch.compile(value_and_x_grad, fullgraph=True, backend=backend)
+    x = torch.tensor([0.4, -0.3], dtype=F64)
+    results = []
+    for e in _same_shape_energies(kind):
+        got = compiled(e, x)
+        for a, b in zip(got, value_and_x_grad(e, x), strict=True):
+            torch.testing.assert_close(a, b)
+        results.append(got[0])
+    assert backend.graphs == 1
+    assert len({float(v) for v in results}) == 4  # the values were read, not baked in
+
+
+# ----------------------------------------------------- constructors inside compiled code
+
+_P2 = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=F64)
+CONSTRUCT = {
+    "gaussian_cov": (lambda m, x: E.gaussian(m, 2 * torch.eye(2, dtype=F64))(x),
+                     lambda i: torch.tensor([0.5 * i, -i], dtype=F64)),
+    "gaussian_precision": (lambda m, x: E.gaussian(m, precision=_P2)(x),
+                           lambda i: torch.tensor([i, 1.0], dtype=F64)),
+    "double_well": (lambda h, x: E.double_well(h, 0.5 * h)(x), lambda i: torch.tensor(1.0 + i, dtype=F64)),
+    "harmonic": (lambda k, x: E.harmonic(k)(x), lambda i: torch.tensor(1.0 + i, dtype=F64)),
+    "mixture": (lambda m, x: E.gaussian_mixture(m, torch.full((2,), 0.5, dtype=F64),
+                                                torch.tensor([1.0, 3.0], dtype=F64))(x),
+                lambda i: torch.tensor([[0.0, i], [1.0, -i]], dtype=F64)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONSTRUCT))
+def test_constructors_trace_fullgraph_without_recompiling(case):
+    fn, value = CONSTRUCT[case]
+    backend = CountingBackend()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    x = torch.tensor([0.4, -0.3], dtype=F64)
+    for i in range(3):
+        torch.testing.assert_close(compiled(value(0.5 * i), x), fn(value(0.5 * i), x))
+    assert backend.graphs == 1
+
+
+def test_constructor_checks_under_compile_and_transforms():
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    # values are not read while tracing: the checks are skipped, not turned into syncs
+    negative = torch.compile(lambda k, x: E.harmonic(k)(x), fullgraph=True, backend=CountingBackend())
+    torch.testing.assert_close(negative(torch.tensor(-1.0, dtype=F64), x), torch.tensor(-2.5, dtype=F64))
+    with pytest.raises(ValueError, match="k must be a finite number > 0, got -1.0"):
+        E.harmonic(torch.tensor(-1.0, dtype=F64))
+    # metadata (shapes) is checked everywhere; Dynamo reports it as an exception it observed
+    bad_shape = lambda m, x: E.gaussian(m, torch.ones(3, 3, dtype=F64))(x)  # noqa: E731
+    with pytest.raises(ValueError, match=r"cov must have shape \(2, 2\)"):
+        torch.compile(bad_shape, backend=CountingBackend())(torch.zeros(2, dtype=F64), x)
+    with pytest.raises(Exception, match=r"cov must have shape \(2, 2\)"):
+        torch.compile(bad_shape, fullgraph=True, backend=CountingBackend())(torch.zeros(2, dtype=F64), x)
+    # under torch.func the parameter is data: vmap and grad flow through the constructor
+    ks = torch.tensor([0.5, 1.0, 2.0], dtype=F64)
+    torch.testing.assert_close(vmap(lambda k: E.harmonic(k)(x))(ks), 0.5 * ks * (x * x).sum())
+    m, cov = torch.tensor([0.3, -0.1], dtype=F64), _spd(2, 5)
+    torch.testing.assert_close(grad(lambda m: E.gaussian(m, cov)(x))(m), -E.gaussian(m, cov).grad(x))
+
+
+# ---------------------------------------------------------------------- from_logdensity
+
+
+def test_from_logdensity_negates_the_log_density():
+    mean, cov = torch.tensor([0.5, -1.0], dtype=F64), _spd(2, 9)
+    prec = torch.linalg.inv(cov)
+    log_norm = -0.5 * (torch.logdet(2 * math.pi * cov))
+
+    def logdensity(x):  # BlackJAX style: x -> log p(x)
+        d = x - mean
+        return log_norm - 0.5 * d @ prec @ d
+
+    e, ref = E.from_logdensity(logdensity), E.gaussian(mean, cov)
+    xs = torch.randn(6, 2, generator=_gen(10), dtype=F64)
+    # E = -log p = the Gaussian energy plus a constant (the log normaliser)
+    torch.testing.assert_close(vmap(e)(xs) - vmap(ref)(xs), torch.full((6,), -float(log_norm), dtype=F64))
+    torch.testing.assert_close(vmap(grad(e))(xs), vmap(ref.grad)(xs))
+    assert e(mean) < e(mean + 1)  # the mode has the lowest energy
+    assert e.dtype is None and e.device is None and e.dim is None and e.to(dtype=torch.float32) is e
+    e.check_dim(5)
+    leaves, spec = pytree.tree_flatten(e)
+    assert leaves == []
+    assert pytree.tree_unflatten([], spec).logdensity_fn is logdensity
+
+
+# ------------------------------------------------------------------------ save and load
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_save_load_weights_only(family):
+    e = make(family, 3)
+    buf = io.BytesIO()
+    torch.save(e, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only=True, torch's default
+    assert type(loaded) is type(e)
+    for a, b in zip(_field_values(loaded), _field_values(e), strict=True):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=F64)
+    assert torch.equal(loaded(x), e(x)) and loaded.dim == e.dim
+
+
+def test_save_bound_energy_as_params_or_leaves():
+    energy_fn, params = E.from_module(_mlp2())
+    e = E.bind(energy_fn, params)
+    with pytest.raises((AttributeError, pickle.PicklingError)):  # a closure does not pickle
+        torch.save(e, io.BytesIO())
+    x = torch.tensor([0.4, -0.3], dtype=F64)
+    buf = io.BytesIO()
+    torch.save(e.params, buf)
+    buf.seek(0)
+    assert torch.equal(E.bind(energy_fn, torch.load(buf))(x), e(x))
+    leaves, spec = pytree.tree_flatten(e)
+    buf = io.BytesIO()
+    torch.save(leaves, buf)
+    buf.seek(0)
+    assert torch.equal(pytree.tree_unflatten(torch.load(buf), spec)(x), e(x))
+
+
+# -------------------------------------------------------------- user-defined energies
+
+
+@dataclass(frozen=True, eq=False)
+class Quartic(E.Energy):
+    """A user's family: ``scale * sum(x^power)``; ``power`` is static (not a parameter)."""
+
+    scale: torch.Tensor
+    power: int = E.static_field(default=4)
+    name: ClassVar[str] = "quartic"
+
+    def __call__(self, x):
+        return self.scale * (x**self.power).sum(-1)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class SlottedHarmonic(E.Energy):
+    k: torch.Tensor
+
+    def __call__(self, x):
+        return 0.5 * self.k * (x * x).sum(-1)
+
+
+class NotATree(E.Energy, pytree=False):
+    def __call__(self, x):
+        return (x * x).sum(-1)
+
+
+def test_user_subclass_is_registered_when_defined():
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    q = Quartic(torch.tensor(0.5, dtype=F64), power=2)
+    leaves, spec = pytree.tree_flatten(q)
+    assert leaves == [q.scale]
+    rebuilt = pytree.tree_unflatten([torch.tensor(2.0, dtype=F64)], spec)
+    assert type(rebuilt) is Quartic and rebuilt.power == 2 and rebuilt(x) == 10.0
+    assert pytree.tree_structure(Quartic(q.scale, power=3)) != spec  # static values are structure
+    g = grad(lambda e, x: e(x))(q, x)
+    assert type(g) is Quartic and g.power == 2 and g.scale == 5.0
+    qs = _stack([Quartic(torch.tensor(s, dtype=F64), power=2) for s in (1.0, 2.0)])
+    torch.testing.assert_close(vmap(lambda e, x: e(x), in_dims=(0, None))(qs, x), torch.tensor([5.0, 10.0], dtype=F64))
+    assert q.to(dtype=torch.float32).scale.dtype == torch.float32 and q.to(dtype=torch.float32).power == 2
+
+    backend = CountingBackend()
+    compiled = torch.compile(lambda e, x: (e(x), grad(e)(x)), fullgraph=True, backend=backend)
+    for s in (1.0, 2.0, 3.0):
+        torch.testing.assert_close(compiled(Quartic(torch.tensor(s, dtype=F64)), x)[0], s * (x**4).sum())
+    assert backend.graphs == 1
+
+    slotted = SlottedHarmonic(torch.tensor(3.0, dtype=F64))  # @dataclass(slots=True) makes a new class
+    assert pytree.tree_leaves(slotted) == [slotted.k]
+    assert type(pytree.tree_map(lambda t: t + 1, slotted)) is SlottedHarmonic
+    plain = NotATree()  # opted out: a leaf itself
+    assert pytree.tree_leaves(plain) == [plain]
+
+
+def test_user_subclass_loads_only_once_allow_listed():
+    q = Quartic(torch.tensor(0.5, dtype=F64), power=2)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Quartic"):
+        torch.load(buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([Quartic]):
+        loaded = torch.load(buf)
+    assert type(loaded) is Quartic and loaded.power == 2 and torch.equal(loaded.scale, q.scale)

@@ -28,8 +28,8 @@ def _check_moments(x, mean, cov):
 def test_mala_final_states_have_target_moments(mala_run):
     final, trace, info = mala_run
     # the final states of independent chains, long after burn-in, are independent draws
-    _check_moments(final.position, MEAN, COV)
-    assert final.position.shape == (N_CHAINS, 2) and trace.shape == (300, N_CHAINS, 2)
+    _check_moments(final.state.position, MEAN, COV)
+    assert final.state.position.shape == (N_CHAINS, 2) and trace.shape == (300, N_CHAINS, 2)
     assert 0.5 < info.acceptance_rate.mean() < 0.95
     assert not info.is_divergent.any()
 
@@ -52,7 +52,7 @@ def test_langevin_matches_its_discretised_stationary_law(langevin_run):
     eta = 0.05
     P = torch.linalg.inv(COV)
     ula_cov = 2 * torch.linalg.inv(P @ (2 * torch.eye(2, dtype=F64) - eta * P))
-    _check_moments(final.position, MEAN, ula_cov)
+    _check_moments(final.state.position, MEAN, ula_cov)
     assert not info.is_divergent.any()
 
 
@@ -176,8 +176,9 @@ BAD = [
     (lambda e: fnebm.mala(e, -0.1), ValueError, "step_size"),
     (lambda e: fnebm.mala(e, float("nan")), ValueError, "step_size"),
     (lambda e: fnebm.langevin(e, float("inf")), ValueError, "step_size"),
-    (lambda e: fnebm.langevin(e, "0.1"), TypeError, "step_size must be a number"),
-    (lambda e: fnebm.langevin(e, torch.tensor([0.1, 0.2])), TypeError, "step_size"),
+    (lambda e: fnebm.langevin(e, "0.1"), TypeError, "step_size must be a real number or a floating tensor"),
+    (lambda e: fnebm.langevin(e, torch.tensor([0.1, -0.2])), ValueError, "step_size must be a finite number > 0 everywhere"),
+    (lambda e: fnebm.langevin(e, torch.tensor([1, 2])), TypeError, "step_size must be a real number or a floating tensor"),
     (lambda e: fnebm.langevin(e, 0.1, noise_scale=-1.0), ValueError, "noise_scale"),
     (lambda e: fnebm.mala("energy", 0.1), TypeError, "energy_fn must be callable"),
     (lambda e: fnebm.mala(e, 0.1).init(torch.zeros(2, dtype=torch.float32)), TypeError, "dtype"),

@@ -1,7 +1,17 @@
-"""Samplers as pure functions: ``SamplingAlgorithm(init, step)`` with ``step(state, key) -> (state, info)``."""
+"""Samplers in three layers: ``init`` (one chain), ``build_kernel`` (a pure kernel over any chain
+axes) and a constructor returning ``SamplingAlgorithm(init, step)``. See :mod:`fnebm.samplers.base`."""
 
-from fnebm.samplers.base import SamplingAlgorithm
+from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
 from fnebm.samplers.mala import MALAInfo, MALAState, mala
 
-__all__ = ["SamplingAlgorithm", "langevin", "LangevinState", "LangevinInfo", "mala", "MALAState", "MALAInfo"]
+__all__ = [
+    "SamplingAlgorithm",
+    "vmap_chains",
+    "langevin",
+    "LangevinState",
+    "LangevinInfo",
+    "mala",
+    "MALAState",
+    "MALAInfo",
+]

@@ -1,76 +1,115 @@
-"""The sampler interface and the checks every constructor shares.
+"""The sampler interface, explicit batching, and what every sampler's ``init`` and kernel share.
 
-A sampler is two pure functions (BlackJAX's ``SamplingAlgorithm``):
-``state = init(position)`` and ``state, info = step(state, key)``, for one chain.
-Batch over chains with ``torch.func.vmap`` or hand a batched state to ``fnebm.sample_chain``.
+A sampler lives in three layers (BlackJAX's shape):
 
-fnebm's own steps also take a batch of keys directly: with ``keys: (*batch, 2)`` and a state
-whose fields lead with ``batch``, ``step(state, keys)`` equals ``vmap(step)(state, keys)``
-(the energy is still evaluated per sample under ``vmap``). Such a step is marked with
-:func:`batch_native`; ``sample_chain`` then calls it directly, which lets the random draws of
-all chains be computed with the chain axis innermost (vectorised) instead of under ``vmap``.
+* ``init(position, energy_fn) -> state`` for **one** chain (map it over chains with
+  ``torch.func.vmap``);
+* ``build_kernel() -> kernel``, a pure ``kernel(state, key, energy_fn, *tunables) -> (state, info)``;
+* the constructor, e.g. ``mala(energy_fn, step_size) -> SamplingAlgorithm(init, step)``, which
+  only closes over its arguments (``step`` is a ``functools.partial`` of the kernel).
+
+**Batching is explicit.** Every fnebm kernel takes a state whose fields lead with the chain
+axes and keys ``(*chains, 2)``; the number of chain axes is ``key.ndim - 1`` (0 for one chain).
+A step written for one chain is batched by saying so: :func:`vmap_chains`.
+
+**Tunables are data.** Step sizes and noise scales are tensors (a number becomes a 0-dim
+float64 tensor): 0-dim, or one value per chain aligned with the leading chain axes. The kernel
+casts them to the state's dtype and device, so one compiled graph serves every value.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fnebm import random as fr
+from fnebm import _checks
+from fnebm.gradients import value_and_grad
 
 __all__ = [
     "SamplingAlgorithm",
-    "check_step_size",
-    "check_energy",
-    "check_position",
-    "batch_native",
-    "is_batch_native",
+    "vmap_chains",
     "over_batch",
     "event_sum",
     "event_all",
-    "where_batch",
-    "check_batch",
+    "chain_axes",
+    "per_chain",
+    "check_energy",
+    "check_position",
+    "energy_and_grad",
 ]
 
 
 class SamplingAlgorithm(NamedTuple):
-    """``init(position) -> state`` and ``step(state, key) -> (state, info)``, both pure."""
+    """``init(position) -> state`` (one chain) and ``step(state, keys) -> (state, info)`` (any chain axes)."""
 
     init: Callable[[Tensor], Any]
     step: Callable[[Any, Tensor], tuple[Any, Any]]
 
 
-def check_step_size(value: Any, name: str = "step_size", *, allow_zero: bool = False) -> float:
-    """A positive (or, with ``allow_zero``, non-negative) finite number, as a Python float.
+def over_batch(fn: Callable, n_batch: int) -> Callable:
+    """``fn`` of one sample mapped over ``n_batch`` leading axes (nested ``vmap``)."""
+    for _ in range(n_batch):
+        fn = torch.func.vmap(fn)
+    return fn
 
-    Constructors call this once, at the boundary; a 0-dim tensor is read with one host sync.
+
+def _vmapped_step(step: Callable, state: Any, key: Tensor) -> tuple[Any, Any]:
+    _checks.check_key(key)
+    return over_batch(step, key.ndim - 1)(state, key)
+
+
+def vmap_chains(step: Callable[[Any, Tensor], tuple[Any, Any]]) -> Callable[[Any, Tensor], tuple[Any, Any]]:
+    """A one-chain ``step(state, key: (2,))`` as a batched step taking keys ``(*chains, 2)``.
+
+    The result maps ``step`` over ``key.ndim - 1`` leading axes of the state and the keys with
+    ``torch.func.vmap``, which is what :func:`fnebm.sample_chain` and :func:`fnebm.chain.run`
+    expect of a step. fnebm's own steps are batched already and need no wrapper.
     """
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a number or a one-element real tensor, got shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    ok = value >= 0 if allow_zero else value > 0
-    if not math.isfinite(value) or not ok:
-        expected = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise ValueError(f"{name} must be {expected}, got {value}")
-    return value
+    _checks.check_callable("step", step, "step(state, key) -> (state, info)")
+    return functools.partial(_vmapped_step, step)
+
+
+def event_sum(x: Tensor, n_batch: int) -> Tensor:
+    """Sum over every axis after the first ``n_batch``: ``(*batch, *event) -> batch``."""
+    return x.reshape(x.shape[:n_batch] + (-1,)).sum(-1)
+
+
+def event_all(x: Tensor, n_batch: int) -> Tensor:
+    """``all`` over every axis after the first ``n_batch``: ``(*batch, *event) -> batch``."""
+    return x.reshape(x.shape[:n_batch] + (-1,)).all(-1)
+
+
+def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:
+    """The chain shape ``key.shape[:-1]``; ``energy`` (one per chain) must have it. Metadata only."""
+    _checks.check_key(key)
+    batch = tuple(key.shape[:-1])
+    if tuple(energy.shape) != batch:
+        raise ValueError(
+            f"key has chain shape {batch} but the state's energy has shape {tuple(energy.shape)}: "
+            "pass one key per chain, with the chain axes leading both (keys (*chains, 2))"
+        )
+    return batch
+
+
+def per_chain(name: str, value: Tensor, batch: tuple[int, ...], like: Tensor) -> Tensor:
+    """A tunable reshaped to broadcast against ``like: (*batch, ...)``, in ``like``'s dtype and device."""
+    _checks.check_tunable_shape(name, value, batch)
+    value = value.to(dtype=like.dtype, device=like.device)
+    return value.reshape(tuple(value.shape) + (1,) * (like.ndim - value.ndim))
 
 
 def check_energy(energy_fn: Any) -> None:
-    if not callable(energy_fn):
-        raise TypeError(f"energy_fn must be callable x -> E(x), got {type(energy_fn).__name__}")
+    _checks.check_callable("energy_fn", energy_fn, "x -> E(x) (one sample in, a 0-dim energy out)")
 
 
 def check_position(position: Any, energy_fn: Any) -> None:
-    """``position`` is a floating tensor on the energy's device and in its dtype (when it has them).
+    """``position`` is one chain's floating tensor, matching the energy's dtype, device and dimension.
 
-    Runs in ``init``; it reads metadata only, so it is free under ``torch.compile``.
+    Reads metadata only (free under ``torch.compile`` and ``vmap``), except the finiteness
+    check, which runs where the position is concrete (eager, unmapped).
     """
     if not isinstance(position, Tensor):
         raise TypeError(f"position must be a torch.Tensor, got {type(position).__name__}")
@@ -87,53 +126,44 @@ def check_position(position: Any, energy_fn: Any) -> None:
             f"position is on {position.device} but the energy's parameters are on {device}; "
             f"move one of them (e.g. energy.to(device='{position.device}'))"
         )
+    check_dim = getattr(energy_fn, "check_dim", None)
+    if callable(check_dim):  # fnebm's energies take one vector (dim,)
+        if position.ndim != 1:
+            raise ValueError(
+                f"init takes one chain's position of shape (dim,), got shape {tuple(position.shape)}; "
+                "for many chains map it: torch.func.vmap(alg.init)(positions)"
+            )
+        try:
+            check_dim(position.shape[0])
+        except ValueError as e:
+            raise ValueError(f"position of shape {tuple(position.shape)} does not fit the energy: {e}") from None
+    if _checks.is_concrete(position) and not bool(torch.isfinite(position).all()):
+        raise ValueError("position must be finite (no NaN or inf): a chain started there never moves")
 
 
-_BATCH_NATIVE = "__fnebm_batch_native__"
-
-
-def batch_native(step: Callable) -> Callable:
-    """Mark ``step`` as taking leading batch axes itself (see the module docstring)."""
-    setattr(step, _BATCH_NATIVE, True)
-    return step
-
-
-def is_batch_native(step: Any) -> bool:
-    return bool(getattr(step, _BATCH_NATIVE, False))
-
-
-def over_batch(fn: Callable, n_batch: int) -> Callable:
-    """``fn`` of one sample mapped over ``n_batch`` leading axes (nested ``vmap``)."""
-    for _ in range(n_batch):
-        fn = torch.func.vmap(fn)
-    return fn
-
-
-def event_sum(x: Tensor, n_batch: int) -> Tensor:
-    """Sum over every axis after the first ``n_batch``: ``(*batch, *event) -> batch``."""
-    return x.reshape(x.shape[:n_batch] + (-1,)).sum(-1)
-
-
-def event_all(x: Tensor, n_batch: int) -> Tensor:
-    """``all`` over every axis after the first ``n_batch``: ``(*batch, *event) -> batch``."""
-    return x.reshape(x.shape[:n_batch] + (-1,)).all(-1)
-
-
-def where_batch(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.where`` with a ``batch``-shaped mask picking whole ``(*batch, *event)`` samples."""
-    return torch.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
-
-
-def check_batch(state: Any, key: Tensor) -> int:
-    """The number of batch axes, ``key.ndim - 1``; the state's energy must have that shape.
-
-    Reads metadata only, so it costs nothing under ``torch.compile``.
-    """
-    fr.check_key(key)
-    batch = key.shape[:-1]
-    if state.energy.shape != batch:
+def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> tuple[Tensor, Tensor]:
+    """``(E(x), dE/dx)`` at ``init``, with errors that name the energy when it does not take one sample."""
+    batched_hint = (
+        "an energy takes one sample x and returns a 0-dim energy; a batched energy "
+        "E(X: (n, d)) -> (n,) can be wrapped as lambda x: E(x[None])[0]"
+    )
+    try:
+        value = energy_fn(position)
+    except (IndexError, RuntimeError) as e:
         raise ValueError(
-            f"key has batch shape {tuple(batch)} but state.energy has shape {tuple(state.energy.shape)}: "
-            "pass one key per chain, with the chain axes leading both"
+            f"energy_fn failed on one sample of shape {tuple(position.shape)} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {batched_hint}"
+        ) from e
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"energy_fn must return a 0-dim tensor, got {type(value).__name__}; {batched_hint}"
         )
-    return len(batch)
+    if value.ndim != 0:
+        raise ValueError(
+            f"energy_fn must return a 0-dim energy for one sample, got shape {tuple(value.shape)} "
+            f"for a position of shape {tuple(position.shape)}. If the position holds many chains, "
+            f"use torch.func.vmap(alg.init)(positions); otherwise {batched_hint}"
+        )
+    if not value.is_floating_point():
+        raise TypeError(f"energy_fn must return a floating tensor, got dtype {value.dtype}")
+    return value_and_grad(energy_fn)(position)

@@ -1,35 +1,41 @@
-"""Unadjusted overdamped Langevin dynamics (Euler–Maruyama): ``x <- x - eta grad E(x) + sigma sqrt(2 eta) xi``."""
+"""Unadjusted overdamped Langevin dynamics: ``x <- x - h grad E(x) + sigma sqrt(2 h) xi``.
+
+Three layers: :func:`init` (one chain), :func:`build_kernel` (the pure kernel, any chain
+axes) and :func:`langevin` (the constructor).
+"""
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Callable, NamedTuple
 
+import torch
 from torch import Tensor
 
+from fnebm import _checks
 from fnebm import random as fr
 from fnebm.gradients import value_and_grad
+from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.samplers.base import (
     SamplingAlgorithm,
-    batch_native,
-    check_batch,
+    chain_axes,
     check_energy,
     check_position,
-    check_step_size,
+    energy_and_grad,
     event_all,
     over_batch,
-    where_batch,
+    per_chain,
 )
+from fnebm.samplers.proposal import select
 
-__all__ = ["LangevinState", "LangevinInfo", "langevin"]
+__all__ = ["LangevinState", "LangevinInfo", "init", "build_kernel", "langevin"]
 
 
 class LangevinState(NamedTuple):
-    """One chain's state. ``energy`` and ``grad`` are E and dE/dx at ``position``: caching them
-    means a step evaluates the gradient once, at the proposal, instead of twice.
+    """``energy`` and ``grad`` are E and dE/dx at ``position``: caching them means a step
+    evaluates the gradient once, at the new point, instead of twice.
 
-    position: ``event`` (e.g. ``(dim,)``); energy: ``()``; grad: ``event``. Many chains: each
-    field leads with the chain axes.
+    position: ``(*chains, *event)``; energy: ``chains``; grad: like position.
     """
 
     position: Tensor
@@ -44,39 +50,55 @@ class LangevinInfo(NamedTuple):
     is_divergent: Tensor
 
 
-def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float, noise_scale: float = 1.0) -> SamplingAlgorithm:
-    """Unadjusted Langevin: ``x' = x - step_size * grad E(x) + noise_scale * sqrt(2 step_size) * xi``.
+# torch.load(weights_only=True) refuses classes it does not know: these are plain tensor tuples
+torch.serialization.add_safe_globals([LangevinState, LangevinInfo])
 
-    With ``noise_scale=1`` it targets ``exp(-E)`` up to an O(step_size) bias; ``noise_scale=0``
-    is gradient descent. Returns ``SamplingAlgorithm(init, step)`` for one chain:
-    ``init(position: event) -> LangevinState``, ``step(state, key: (2,)) -> (state, LangevinInfo)``.
-    ``step`` also takes keys ``(*batch, 2)`` with a state leading with ``batch`` and then equals
-    ``vmap(step)``.
+
+def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> LangevinState:
+    """One chain's state at ``position: event``; ``torch.func.vmap`` it for many chains."""
+    check_energy(energy_fn)
+    check_position(position, energy_fn)
+    return LangevinState(position, *energy_and_grad(energy_fn, position))
+
+
+def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:
+    """The pure kernel ``kernel(state, key, energy_fn, step_size, noise_scale) -> (state, info)``.
+
+    key: ``(*chains, 2)``; step_size, noise_scale: tensors, 0-dim or one per chain.
+    """
+
+    def kernel(state: LangevinState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
+               noise_scale: Tensor):
+        batch = chain_axes(state.energy, key)
+        x = state.position
+        h = per_chain("step_size", step_size, batch, x)
+        sigma = per_chain("noise_scale", noise_scale, batch, x)
+        proposal = euler_maruyama(x, state.grad, h, fr.normal(key, x.shape[len(batch):], x.dtype), sigma)
+        energy, grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
+        finite = energy.isfinite() & event_all(grad.isfinite() & proposal.isfinite(), len(batch))
+        new = select(finite, LangevinState(proposal, energy, grad), state)
+        return LangevinState(*new), LangevinInfo(is_divergent=~finite)
+
+    return kernel
+
+
+_kernel = build_kernel()
+
+
+def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor,
+             noise_scale: float | Tensor = 1.0) -> SamplingAlgorithm:
+    """Unadjusted Langevin: ``x' = x - h grad E(x) + noise_scale sqrt(2 h) xi``.
+
+    With ``noise_scale=1`` it targets ``exp(-E)`` up to an O(h) bias; ``noise_scale=0`` is
+    gradient descent. ``step_size`` (``> 0``) and ``noise_scale`` (``>= 0``): numbers or tensors,
+    0-dim or one per chain. Returns ``SamplingAlgorithm(init, step)``:
+    ``init(position: event) -> LangevinState`` for one chain and
+    ``step(state, keys: (*chains, 2)) -> (LangevinState, LangevinInfo)``.
     """
     check_energy(energy_fn)
-    step_size = check_step_size(step_size)
-    noise_scale = check_step_size(noise_scale, "noise_scale", allow_zero=True)
-    vg = value_and_grad(energy_fn)
-    scale = noise_scale * math.sqrt(2.0 * step_size)
-
-    def init(position: Tensor) -> LangevinState:
-        check_position(position, energy_fn)
-        energy, grad = vg(position)
-        return LangevinState(position, energy, grad)
-
-    @batch_native
-    def step(state: LangevinState, key: Tensor) -> tuple[LangevinState, LangevinInfo]:
-        n_batch = check_batch(state, key)
-        x = state.position
-        noise = fr.normal(key, x.shape[n_batch:], x.dtype)
-        proposal = x - step_size * state.grad + scale * noise
-        energy, grad = over_batch(vg, n_batch)(proposal)
-        finite = energy.isfinite() & event_all(grad.isfinite() & proposal.isfinite(), n_batch)
-        new = LangevinState(
-            where_batch(finite, proposal, x),
-            where_batch(finite, energy, state.energy),
-            where_batch(finite, grad, state.grad),
-        )
-        return new, LangevinInfo(is_divergent=~finite)
-
-    return SamplingAlgorithm(init, step)
+    step_size = _checks.tunable("step_size", step_size)
+    noise_scale = _checks.tunable("noise_scale", noise_scale, allow_zero=True)
+    return SamplingAlgorithm(
+        functools.partial(init, energy_fn=energy_fn),
+        functools.partial(_kernel, energy_fn=energy_fn, step_size=step_size, noise_scale=noise_scale),
+    )

@@ -1,37 +1,43 @@
-"""Metropolis-adjusted Langevin (MALA): a Langevin proposal corrected by Metropolis–Hastings."""
+"""Metropolis-adjusted Langevin (MALA): the Euler–Maruyama proposal corrected by Metropolis–Hastings.
+
+Three layers, as BlackJAX's ``mcmc/mala.py``: :func:`init` (one chain), :func:`build_kernel`
+(the pure kernel, any chain axes) and :func:`mala` (the constructor that closes over the
+energy and the step size).
+"""
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
+from fnebm import _checks
 from fnebm import random as fr
-from fnebm.gradients import value_and_grad
+from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.samplers.base import (
     SamplingAlgorithm,
-    batch_native,
-    check_batch,
+    chain_axes,
     check_energy,
     check_position,
-    check_step_size,
+    energy_and_grad,
     event_all,
     event_sum,
     over_batch,
-    where_batch,
+    per_chain,
 )
+from fnebm.gradients import value_and_grad
+from fnebm.samplers.proposal import metropolis_hastings, select
 
-__all__ = ["MALAState", "MALAInfo", "mala", "log_acceptance_ratio"]
+__all__ = ["MALAState", "MALAInfo", "init", "build_kernel", "mala", "log_acceptance_ratio"]
 
 
 class MALAState(NamedTuple):
-    """One chain's state. ``energy`` and ``grad`` at ``position`` are cached because both the
-    next proposal (the drift) and the acceptance ratio need them: one gradient per step.
+    """``energy`` and ``grad`` at ``position`` are cached because both the next proposal (the
+    drift) and the acceptance ratio need them: one gradient per step.
 
-    position: ``event``; energy: ``()``; grad: ``event``. Many chains: each field leads with
-    the chain axes.
+    position: ``(*chains, *event)``; energy: ``chains``; grad: like position.
     """
 
     position: Tensor
@@ -48,61 +54,75 @@ class MALAInfo(NamedTuple):
     is_divergent: Tensor
 
 
-def log_acceptance_ratio(
-    x: Tensor, energy: Tensor, grad: Tensor, proposal: Tensor, new_energy: Tensor, new_grad: Tensor, step_size: float
-) -> Tensor:
-    """``log alpha`` of MALA's move ``x -> proposal``: ``E(x) - E(x') + log q(x | x') - log q(x' | x)``.
+# torch.load(weights_only=True) refuses classes it does not know: these are plain tensor tuples
+torch.serialization.add_safe_globals([MALAState, MALAInfo])
 
-    ``q(b | a) = N(b; a - step_size * grad E(a), 2 step_size I)``. Antisymmetric in the two
-    points (detailed balance). Shapes: positions and gradients ``(*batch, *event)``, energies
-    ``batch``; returns ``batch`` (0-dim for one chain).
+
+def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> MALAState:
+    """One chain's state at ``position: event``; ``torch.func.vmap`` it for many chains."""
+    check_energy(energy_fn)
+    check_position(position, energy_fn)
+    return MALAState(position, *energy_and_grad(energy_fn, position))
+
+
+def log_acceptance_ratio(
+    x: Tensor, energy: Tensor, grad: Tensor, proposal: Tensor, new_energy: Tensor, new_grad: Tensor,
+    step_size: Tensor | float,
+) -> Tensor:
+    """``log alpha`` of the move ``x -> proposal``: ``E(x) - E(x') + log q(x | x') - log q(x' | x)``.
+
+    ``q(b | a) = N(b; a - h grad E(a), 2 h I)``. Antisymmetric in the two points (detailed
+    balance). Positions and gradients ``(*chains, *event)``, energies ``chains``; ``step_size``
+    a number, 0-dim, or ``chains``-shaped (aligned with the leading chain axes). Returns ``chains``.
     """
     n_batch = energy.ndim
-    forward = proposal - x + step_size * grad
-    backward = x - proposal + step_size * new_grad
-    log_q_ratio = event_sum(forward * forward - backward * backward, n_batch) / (4.0 * step_size)
-    return energy - new_energy + log_q_ratio
+    h_event = step_size if not isinstance(step_size, Tensor) else step_size.reshape(
+        step_size.shape + (1,) * (x.ndim - step_size.ndim))
+    h_chain = step_size if not isinstance(step_size, Tensor) else step_size.reshape(
+        step_size.shape + (1,) * (n_batch - step_size.ndim))
+    forward = proposal - x + h_event * grad
+    backward = x - proposal + h_event * new_grad
+    return energy - new_energy + event_sum(forward * forward - backward * backward, n_batch) / (4.0 * h_chain)
 
 
-def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float) -> SamplingAlgorithm:
+def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
+    """The pure MALA kernel ``kernel(state, key, energy_fn, step_size) -> (state, info)``.
+
+    key: ``(*chains, 2)`` (``(2,)`` for one chain); state fields lead with ``chains``;
+    step_size: a tensor, 0-dim or one per chain (see :mod:`fnebm.samplers.base`).
+    """
+
+    def kernel(state: MALAState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor):
+        batch = chain_axes(state.energy, key)
+        x, energy, grad = state
+        h = per_chain("step_size", step_size, batch, x)
+        keys = fr.split(key)
+        proposal = euler_maruyama(x, grad, h, fr.normal(keys[..., 0, :], x.shape[len(batch):], x.dtype))
+        new_energy, new_grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
+        log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, h.reshape(h.shape[:len(batch)]))
+        finite = new_energy.isfinite() & event_all(new_grad.isfinite(), len(batch))
+        decision = metropolis_hastings(keys[..., 1, :], log_alpha, finite)
+        new = select(decision.is_accepted, MALAState(proposal, new_energy, new_grad), state)
+        return MALAState(*new), MALAInfo(decision.acceptance_rate, decision.is_accepted, decision.is_divergent)
+
+    return kernel
+
+
+_kernel = build_kernel()
+
+
+def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor) -> SamplingAlgorithm:
     """MALA targeting ``p(x) ∝ exp(-E(x))``.
 
-    Proposal ``x' = x - step_size * grad E(x) + sqrt(2 step_size) * xi``, accepted with
-    probability ``min(1, exp(E(x) - E(x') + log q(x | x') - log q(x' | x)))``. Accept/reject is
-    arithmetic (``torch.where``), so the step traces into one graph.
-    Returns ``SamplingAlgorithm(init, step)`` for one chain:
-    ``init(position: event) -> MALAState``, ``step(state, key: (2,)) -> (state, MALAInfo)``.
-    ``step`` also takes keys ``(*batch, 2)`` with a state leading with ``batch`` and then equals
-    ``vmap(step)``.
+    Proposal ``x' = x - h grad E(x) + sqrt(2 h) xi``, accepted with probability
+    ``min(1, exp(E(x) - E(x') + log q(x | x') - log q(x' | x)))``; accept/reject is arithmetic.
+    ``step_size`` (``h``): a number or a tensor, 0-dim or one per chain. Returns
+    ``SamplingAlgorithm(init, step)``: ``init(position: event) -> MALAState`` for one chain and
+    ``step(state, keys: (*chains, 2)) -> (MALAState, MALAInfo)``.
     """
     check_energy(energy_fn)
-    step_size = check_step_size(step_size)
-    vg = value_and_grad(energy_fn)
-    scale = math.sqrt(2.0 * step_size)
-
-    def init(position: Tensor) -> MALAState:
-        check_position(position, energy_fn)
-        energy, grad = vg(position)
-        return MALAState(position, energy, grad)
-
-    @batch_native
-    def step(state: MALAState, key: Tensor) -> tuple[MALAState, MALAInfo]:
-        n_batch = check_batch(state, key)
-        keys = fr.split(key)
-        x, energy, grad = state
-        noise = fr.normal(keys[..., 0, :], x.shape[n_batch:], x.dtype)
-        proposal = x - step_size * grad + scale * noise
-        new_energy, new_grad = over_batch(vg, n_batch)(proposal)
-        log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, step_size)
-        finite = new_energy.isfinite() & event_all(new_grad.isfinite(), n_batch) & log_alpha.isfinite()
-        log_alpha = torch.where(finite, log_alpha, torch.full_like(log_alpha, -math.inf))
-        accepted = torch.log(fr.uniform(keys[..., 1, :], (), x.dtype)) < log_alpha
-        new = MALAState(
-            where_batch(accepted, proposal, x),
-            where_batch(accepted, new_energy, energy),
-            where_batch(accepted, new_grad, grad),
-        )
-        info = MALAInfo(torch.exp(torch.clamp_max(log_alpha, 0.0)), accepted, ~finite)
-        return new, info
-
-    return SamplingAlgorithm(init, step)
+    step_size = _checks.tunable("step_size", step_size)
+    return SamplingAlgorithm(
+        functools.partial(init, energy_fn=energy_fn),
+        functools.partial(_kernel, energy_fn=energy_fn, step_size=step_size),
+    )

@@ -1,0 +1,105 @@
+"""The compiled runner: one ``torch.compile(fullgraph=True)`` function per kind of step, in an explicit cache.
+
+The step, ``collect`` and the per-chain keys are *arguments* of the compiled function, not
+constants baked into it: Dynamo guards a ``functools.partial`` or a closure by its code and
+treats the tensors it holds (step sizes, energy parameters, network weights) as graph inputs.
+So a sampler rebuilt with new values of the same shapes reuses the graph — no recompile, no
+new C++ compile. Runners are keyed by the *code* of the step and of ``collect`` (and the
+state's tree structure), so an inline ``lambda`` passed on every call hits the same entry, and
+each kind of step gets a Dynamo cache of its own (many samplers in one process never reach
+Dynamo's recompile limit).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import types
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
+
+import torch
+
+from fnebm.chain.loop import loop
+
+__all__ = ["RunnerCache", "default_cache", "code_key"]
+
+# Inductor does not put graphs holding a scan in its on-disk FX graph cache unless told the
+# operator is safe to cache; the scan's body is part of the graph it hashes, so it is.
+_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__}}
+
+_IDS = itertools.count()
+
+
+def code_key(fn: Any) -> Hashable:
+    """What identifies a callable's *code*, not its values: partials by their function and
+    argument names, functions by their code object, bound methods by theirs, objects by type."""
+    if isinstance(fn, functools.partial):
+        return ("partial", code_key(fn.func), len(fn.args), tuple(sorted(fn.keywords)))
+    if isinstance(fn, types.MethodType):
+        return ("method", code_key(fn.__func__))
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return code
+    return ("object", type(fn))
+
+
+def _chunk(step, collect, keys, state, ts):
+    return loop(step, collect, keys, state, ts, unroll=False)
+
+
+def _fresh(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: Dynamo keeps graphs per code object and its
+    automatic-dynamic decisions per code name, so runners never share either."""
+    name = f"{fn.__name__}_{next(_IDS)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class RunnerCache:
+    """Compiled runners, least recently used dropped beyond ``maxsize``.
+
+    ``get(key)`` returns ``run(step, collect, keys, state, ts) -> (state, kept, info)``, compiled
+    the first time it is called (eager runners are not cached: they hold nothing). Pass your
+    own instance to ``sample_chain(cache=...)`` to keep graphs apart or drop them with ``clear()``.
+    """
+
+    def __init__(self, maxsize: int = 64):
+        self.maxsize = maxsize
+        self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
+        self._probes: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def probe(self, key: Hashable, shapes: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()`` (one eager step: what a run keeps, as meta tensors), once per runner and shapes."""
+        with self._lock:
+            found = self._probes.get((key, shapes))
+        if found is None:
+            found = make()
+            with self._lock:
+                self._probes[(key, shapes)] = found
+                while len(self._probes) > 4 * self.maxsize:
+                    self._probes.popitem(last=False)
+        return found
+
+    def get(self, key: Hashable) -> Callable:
+        with self._lock:
+            run = self._runners.pop(key, None)
+            if run is None:
+                run = torch.compile(_fresh(_chunk), fullgraph=True, options=_COMPILE_OPTIONS)
+            self._runners[key] = run
+            while len(self._runners) > self.maxsize:
+                self._runners.popitem(last=False)
+            return run
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._runners.clear()
+            self._probes.clear()
+
+
+default_cache = RunnerCache()

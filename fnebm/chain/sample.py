@@ -1,0 +1,309 @@
+"""``sample_chain``: orchestration only — check the arguments, lay out the chains, call the compiled
+runner chunk by chunk, copy the kept draws into the trace, report progress.
+
+Nothing here writes onto the caller's objects or mutates its arguments: the compiled graphs
+live in a :class:`~fnebm.chain.runner.RunnerCache`, and timing goes to a callback.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fnebm import _checks
+from fnebm import random as fr
+from fnebm.chain.loop import position
+from fnebm.chain.runner import RunnerCache, code_key, default_cache
+from fnebm.chain.schedule import chunks, kept_in
+
+__all__ = ["ChainState", "init", "sample_chain"]
+
+
+class ChainState(NamedTuple):
+    """Where a run stands: the sampler ``state``, each chain's key ``keys: (*chains, 2)``, and
+    ``steps_taken`` (0-dim int64), the index of the next step in every chain's random stream.
+
+    ``sample_chain`` returns one and accepts one to continue: 100 + 100 steps equal 200 steps
+    bit for bit. ``torch.save`` / ``torch.load`` (default ``weights_only=True``) round-trip it.
+    """
+
+    state: Any
+    keys: Tensor
+    steps_taken: Tensor
+
+
+torch.serialization.add_safe_globals([ChainState])
+
+
+def _leaves_with_names(state: Any) -> list[tuple[str, Any]]:
+    flat, _ = pytree.tree_flatten_with_path(state)
+    return [(pytree.keystr(path) or "state", leaf) for path, leaf in flat]
+
+
+def _chain_shape(state: Any, n: int) -> tuple[int, ...]:
+    named = _leaves_with_names(state)
+    if not named or not all(isinstance(x, Tensor) for _, x in named):
+        raise TypeError("state must be a pytree (e.g. NamedTuple) of tensors, as returned by a sampler's init")
+    first = named[0][1]
+    if first.ndim < n:
+        raise ValueError(
+            f"state{named[0][0]} has shape {tuple(first.shape)}, fewer than the {n} chain axes expected; "
+            "for one chain pass chain_ndim=0"
+        )
+    chains = tuple(first.shape[:n])
+    for name, x in named:
+        if x.ndim < n or tuple(x.shape[:n]) != chains:
+            raise ValueError(
+                f"every state field must lead with the chain axes {chains}, but state{name} has shape "
+                f"{tuple(x.shape)}; for one chain pass chain_ndim=0 (a state from vmap(alg.init) has one chain axis)"
+            )
+    return chains
+
+
+def init(state: Any, key: Tensor, *, chain_ndim: int | None = None) -> ChainState:
+    """A fresh :class:`ChainState` at step 0.
+
+    ``key``: one key ``(2,)`` — each chain gets ``split(key, n_chains)[c]`` (reshaped to the
+    chain axes) — or per-chain keys ``(*chains, 2)`` used as they are. ``chain_ndim``: the
+    number of leading chain axes of ``state``; default 1 with one key, ``key.ndim - 1`` with
+    per-chain keys; 0 means one chain (its key is ``key`` itself).
+    """
+    _checks.check_key(key)
+    if chain_ndim is not None:
+        chain_ndim = _checks.check_int("chain_ndim", chain_ndim, 0)
+    if key.ndim == 1:
+        n = 1 if chain_ndim is None else chain_ndim
+        chains = _chain_shape(state, n)
+        keys = key if n == 0 else fr.split(key, math.prod(chains)).reshape(*chains, 2)
+    else:
+        chains = tuple(key.shape[:-1])
+        if chain_ndim is not None and chain_ndim != len(chains):
+            raise ValueError(f"key has {len(chains)} chain axes {chains} but chain_ndim={chain_ndim}")
+        got = _chain_shape(state, len(chains))
+        if got != chains:
+            raise ValueError(f"key has chain shape {chains} but the state's chains are {got}: pass one key per chain")
+        keys = key
+    return ChainState(state, keys, torch.zeros((), dtype=torch.int64, device=key.device))
+
+
+def _check_finite(state: Any) -> None:
+    for name, x in _leaves_with_names(state):
+        if x.is_floating_point() and _checks.is_concrete(x) and not bool(torch.isfinite(x).all()):
+            raise ValueError(
+                f"state{name} has non-finite values (NaN or inf): a chain started there never recovers; "
+                "start from finite positions"
+            )
+
+
+# Events up to this many elements are stored chain-innermost while a one-axis batch runs.
+_CHAINS_LAST_MAX_EVENT = 64
+
+
+def _chains_last(state: Any) -> Any:
+    """The same tensors with the chain axis innermost in memory (strides only; shapes unchanged).
+
+    With small events (a 10-D position) every per-step kernel then vectorises over chains,
+    and the random draws of a batch of keys, computed chain-innermost, need no transpose.
+    """
+    leaves, spec = pytree.tree_flatten(state)
+    if any(math.prod(x.shape[1:]) > _CHAINS_LAST_MAX_EVENT for x in leaves):
+        return state
+    return pytree.tree_unflatten(
+        [x.movedim(0, -1).contiguous().movedim(-1, 0) if x.ndim >= 2 else x for x in leaves], spec
+    )
+
+
+def _probe(step, collect, chain: ChainState, n: int) -> tuple[Any, Any]:
+    """One eager step of every chain: the kept and info trees (as meta tensors).
+
+    It surfaces an error in ``step`` with a plain traceback before any compiling, and catches
+    a one-chain step given a batch (its outputs do not keep the state's shapes).
+    """
+    new, info = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+    hint = ("sample_chain calls step(state, keys) with the chain axes leading the state and keys (*chains, 2); "
+            "wrap a one-chain step with fnebm.vmap_chains(step)")
+    if pytree.tree_structure(new) != pytree.tree_structure(chain.state):
+        raise ValueError(f"step returned a state of another structure than it was given; {hint}")
+    for (name, a), b in zip(_leaves_with_names(chain.state), pytree.tree_leaves(new)):
+        if not isinstance(b, Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+            got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
+            raise ValueError(f"step turned state{name} of shape {tuple(a.shape)} into {got}; {hint}")
+    chains = tuple(chain.keys.shape[:-1])
+    for leaf in pytree.tree_leaves(info):
+        if not isinstance(leaf, Tensor) or tuple(leaf.shape[:n]) != chains:
+            raise ValueError(f"step's info must be a pytree of tensors leading with the chain axes {chains}; {hint}")
+    try:
+        kept = collect(new)
+    except AttributeError as e:
+        raise TypeError(f"collect failed on the state ({e}); pass collect=lambda state: ... for this state") from None
+    if not pytree.tree_leaves(kept) or not all(isinstance(x, Tensor) for x in pytree.tree_leaves(kept)):
+        raise TypeError("collect must return a tensor or a pytree of tensors")
+    return pytree.tree_map(lambda x: torch.empty_like(x, device="meta"), (kept, info))
+
+
+def _expected(tree: Any, n_kept: int) -> Any:
+    return pytree.tree_map(lambda x: torch.empty((n_kept, *x.shape), dtype=x.dtype, device="meta"), tree)
+
+
+def _check_out(out: Any, expected: Any) -> list[Tensor]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError("out must be a (trace, info) pair of buffers, as a previous sample_chain call returned")
+    if pytree.tree_structure(out) != pytree.tree_structure(expected):
+        raise ValueError("out must have the structure of (trace, info) that this run returns")
+    bufs = pytree.tree_leaves(out)
+    for (name, buf), want in zip(_leaves_with_names(out), pytree.tree_leaves(expected)):
+        if not isinstance(buf, Tensor) or buf.shape != want.shape or buf.dtype != want.dtype:
+            got = (tuple(buf.shape), buf.dtype) if isinstance(buf, Tensor) else type(buf).__name__
+            raise ValueError(f"out{name} must be a tensor of shape {tuple(want.shape)} and dtype {want.dtype}, got {got}")
+    return bufs
+
+
+def sample_chain(
+    step: Callable[[Any, Tensor], tuple[Any, Any]],
+    state: Any,
+    key: Tensor | None,
+    n_steps: int,
+    *,
+    burn_in: int = 0,
+    thin: int = 1,
+    collect: Callable[[Any], Any] | None = None,
+    chunk_size: int | None = None,
+    compile: bool = True,
+    progress: bool | None = None,
+    chain_ndim: int | None = None,
+    out: tuple[Any, Any] | None = None,
+    on_chunk: Callable[[int, int, float], None] | None = None,
+    cache: RunnerCache | None = None,
+) -> tuple[ChainState, Any, Any]:
+    """Run ``burn_in + n_steps`` steps and return ``(chain, trace, info)``.
+
+    Args:
+        step: a batched ``step(state, keys: (*chains, 2)) -> (state, info)`` — a sampler's
+            ``alg.step``, anything wrapping one, or a one-chain step wrapped in
+            :func:`fnebm.vmap_chains`.
+        state: a sampler state whose fields lead with the chain axes (from
+            ``torch.func.vmap(alg.init)(positions)``), or a :class:`ChainState` from an
+            earlier call to continue it (then ``key`` is ``None``).
+        key: one key ``(2,)`` (chain ``c`` gets ``split(key, n_chains)[c]``) or per-chain keys
+            ``(*chains, 2)``.
+        n_steps: steps after burn-in; every ``thin``-th is kept, ``n_kept = n_steps // thin``.
+        burn_in: steps run first and not kept.
+        collect: ``state -> pytree of tensors`` kept at each kept step (default: the position).
+        chunk_size: steps per compiled call (default: ``max(n_kept, 256)``, or 1/20 of the run
+            when a progress bar shows). Every chunk length shares one graph.
+        compile: ``False`` runs the same steps eagerly (same draws; for debugging).
+        progress: a tqdm bar on stderr; ``None`` shows one when stderr is a terminal.
+        chain_ndim: leading chain axes of ``state`` (default 1 with one key, ``key.ndim - 1``
+            with per-chain keys; 0 for one chain).
+        out: ``(trace, info)`` buffers from an earlier call of the same shapes, filled in place
+            and returned (the trajectory is allocated once across calls).
+        on_chunk: ``on_chunk(steps_done, steps_total, seconds)`` after every chunk, outside the
+            compiled call (the device is synchronised first, so the seconds are real).
+        cache: where compiled runners live (default: a module-level :class:`RunnerCache`).
+
+    Returns:
+        ``chain``, a :class:`ChainState` (``chain.state`` is the final sampler state); ``trace``,
+        ``collect``'s pytree with leaves ``(n_kept, *chains, ...)`` — draw ``j`` is the state
+        after step ``burn_in + (j + 1) * thin`` of this call; ``info``, the step's info at the
+        kept steps, same layout.
+    """
+    _checks.check_callable("step", step, "step(state, keys) -> (state, info)")
+    n_steps = _checks.check_int("n_steps", n_steps, 1)
+    burn_in = _checks.check_int("burn_in", burn_in, 0)
+    thin = _checks.check_int("thin", thin, 1)
+    if thin > n_steps:
+        raise ValueError(f"thin must be <= n_steps to keep any draw, got thin={thin}, n_steps={n_steps}")
+    if chunk_size is not None:
+        chunk_size = _checks.check_int("chunk_size", chunk_size, 1)
+    collect = position if collect is None else collect
+    _checks.check_callable("collect", collect, "state -> pytree of tensors")
+    if on_chunk is not None:
+        _checks.check_callable("on_chunk", on_chunk, "on_chunk(steps_done, steps_total, seconds)")
+    if isinstance(state, ChainState):
+        if key is not None:
+            raise ValueError("state is a ChainState, which carries its keys and step count: pass key=None to continue it")
+        _checks.check_key(state.keys, "state.keys")
+        chain = state
+        n = state.keys.ndim - 1
+        if chain_ndim is not None and chain_ndim != n:
+            raise ValueError(f"state.keys has {n} chain axes but chain_ndim={chain_ndim}")
+        if _chain_shape(chain.state, n) != tuple(chain.keys.shape[:-1]):
+            raise ValueError("state.keys must have one key per chain of state.state")
+    else:
+        if key is None:
+            raise TypeError("key must be a key tensor from fnebm.random.key(seed) (None only continues a ChainState)")
+        chain = init(state, key, chain_ndim=chain_ndim)
+        n = chain.keys.ndim - 1
+    _checks.check_key_values(chain.keys, "key")
+    leaves = pytree.tree_leaves(chain.state)
+    devices = {x.device for x in leaves}
+    if len(devices) > 1 or chain.keys.device not in devices:
+        raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
+    _check_finite(chain.state)
+    chains = tuple(chain.keys.shape[:-1])
+
+    cache = default_cache if cache is None else cache
+    runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)
+    shapes = tuple((x.shape, x.dtype, x.device) for x in leaves)
+    probed = cache.probe(runner_key, shapes, lambda: _probe(step, collect, chain, n))
+    n_kept = n_steps // thin
+    expected = _expected(probed, n_kept)
+    bufs = None if out is None else _check_out(out, expected)
+    out_spec = pytree.tree_structure(expected)
+    if compile:
+        run = cache.get(runner_key)
+    else:
+        from fnebm.chain.loop import loop
+
+        def run(step, collect, keys, state, ts):
+            return loop(step, collect, keys, state, ts, unroll=True)
+
+    total = burn_in + n_steps
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    if chunk_size is None:
+        # a call returns every step's draw and thinning picks from them: chunks of n_kept
+        # steps (at least 256) keep that scratch near the size of the trace itself
+        chunk_size = -(-total // 20) if show else max(n_kept, min(total, 256))
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="step", desc="sampling", file=sys.stderr)
+    run_state = _chains_last(chain.state) if n == 1 else chain.state
+    device = chain.keys.device
+    try:
+        for a, b in chunks(total, chunk_size):
+            t0 = time.perf_counter()
+            ts = chain.steps_taken + torch.arange(a, b, device=device)
+            if compile and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
+                torch._dynamo.mark_dynamic(ts, 0)
+            run_state, kept, info = run(step, collect, chain.keys, run_state, ts)
+            if on_chunk is not None:
+                if device.type != "cpu":
+                    torch.accelerator.synchronize(device)
+                on_chunk(b, total, time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(b - a)
+            k = kept_in(a, b, burn_in, thin, n_kept)
+            if k is None:
+                continue
+            outs = pytree.tree_leaves((kept, info))
+            if bufs is None and (k.lo, k.hi, k.j0, k.j1, thin) == (0, b - a, 0, n_kept, 1):
+                bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
+                continue
+            if bufs is None:  # allocated once, filled chunk by chunk
+                bufs = [torch.empty_like(w, device=device) for w in pytree.tree_leaves(expected)]
+            for buf, x in zip(bufs, outs):
+                buf[k.j0 : k.j1].copy_(x[k.lo : k.hi : thin])
+    finally:
+        if bar is not None:
+            bar.close()
+    final = pytree.tree_map(lambda x: x.contiguous(), run_state)
+    trace, info = pytree.tree_unflatten(bufs, out_spec)
+    return ChainState(final, chain.keys, chain.steps_taken + total), trace, info

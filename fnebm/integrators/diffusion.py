@@ -1,0 +1,21 @@
+"""The overdamped Langevin diffusion, one Euler–Maruyama step: shared by Langevin and MALA.
+
+``dX = -grad E(X) dt + sigma sqrt(2) dW`` discretised with step ``h``:
+``x' = x - h grad E(x) + sigma sqrt(2 h) xi``, ``xi ~ N(0, I)``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["euler_maruyama"]
+
+
+def euler_maruyama(x: Tensor, grad: Tensor, step_size: Tensor, noise: Tensor, noise_scale: Tensor | float = 1.0) -> Tensor:
+    """``x - step_size * grad + noise_scale * sqrt(2 step_size) * noise``.
+
+    x, grad, noise: ``(*chains, *event)``; step_size, noise_scale: tensors that broadcast
+    against them (0-dim, or per chain with trailing singleton event axes). Differentiable in
+    every argument, including the step size.
+    """
+    return x - step_size * grad + (noise_scale * (2.0 * step_size).sqrt()) * noise
