@@ -56,35 +56,6 @@ def test_langevin_matches_its_discretised_stationary_law(langevin_run):
     assert not info.is_divergent.any()
 
 
-@pytest.mark.parametrize("make", [lambda e: fnebm.mala(e, 0.2), lambda e: fnebm.langevin(e, 0.1, 0.7)])
-def test_vmapped_step_equals_loop_over_chains(make, target):
-    alg = make(target)
-    x = fr.normal(fr.key(3), (5, 2), dtype=F64)
-    keys = fr.split(fr.key(4), 5)
-    states = torch.func.vmap(alg.init)(x)
-    batched, binfo = torch.func.vmap(alg.step)(states, keys)
-    for c in range(5):
-        one, oinfo = alg.step(alg.init(x[c]), keys[c])
-        for got, want in zip(one + oinfo, batched + binfo):
-            torch.testing.assert_close(got, want[c])
-
-
-@pytest.mark.parametrize("make", [lambda e: fnebm.mala(e, 0.3), lambda e: fnebm.langevin(e, 0.1)])
-@pytest.mark.parametrize("batch", [(6,), (2, 3)])
-def test_batched_step_equals_vmap(make, target, batch):
-    # fnebm's steps take a batch of keys directly; that must equal vmap over the batch axes
-    alg = make(target)
-    n = math.prod(batch)
-    x = fr.normal(fr.key(5), (n, 2), dtype=F64).reshape(*batch, 2)
-    keys = fr.split(fr.key(6), n).reshape(*batch, 2)
-    states = over_batch(alg.init, len(batch))(x)
-    direct, dinfo = alg.step(states, keys)
-    mapped, minfo = over_batch(alg.step, len(batch))(states, keys)  # nested vmap
-    for got, want in zip(direct + dinfo, mapped + minfo):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want)
-
-
 def test_batched_step_rejects_keys_that_do_not_match_the_chains(target):
     alg = fnebm.mala(target, 0.3)
     states = torch.func.vmap(alg.init)(torch.zeros(4, 2, dtype=F64))

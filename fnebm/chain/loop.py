@@ -5,13 +5,16 @@ the position in the random stream is data, so a run continued from step ``start`
 uninterrupted run.
 
 Under ``torch.compile`` the loop is ``torch._higher_order_ops.scan`` (one traced body, any
-length); in eager mode it is a Python loop. ``unroll=True`` traces a Python loop under compile
-too, which ``torch.func.grad`` needs: torch 2.13's scan has no ``torch.func`` transform rule
-(``torch.autograd`` through scan works and is tested against the unrolled loop).
+length); in eager mode it is a Python loop. When a gradient is taken through the chain the
+loop is unrolled under compile too: on torch 2.13, scan has no ``torch.func`` transform rule
+and its autograd rule fails on boolean outputs (MALA's ``is_accepted``). The tests check
+the unrolled gradients against finite differences, and check that scan's backward, should a
+later torch accept it, agrees with them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -73,6 +76,43 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
     return tuple(pytree.tree_unflatten(list(x), spec) for x, spec in zip((carry, kept, info), specs))
 
 
+def _tracks_grad(x: Any) -> bool:
+    if not isinstance(x, Tensor) or not (x.is_floating_point() or x.is_complex()):
+        return False
+    if x.requires_grad:
+        return True
+    # Dynamo cannot call functorch's C queries; under compile, requires_grad is what it knows
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_gradtrackingtensor(x)
+
+
+def _step_tensors(fn: Any, depth: int = 0) -> list[Any]:
+    """The tensors a step holds: a partial's arguments (energies are pytrees), a closure's cells."""
+    if depth > 4:
+        return []
+    if isinstance(fn, functools.partial):
+        found = pytree.tree_leaves((fn.args, fn.keywords))
+        return found + [t for x in (*fn.args, *fn.keywords.values(), fn.func) if callable(x) for t in _step_tensors(x, depth + 1)]
+    cells = getattr(fn, "__closure__", None) or ()
+    found = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        found += pytree.tree_leaves(value)
+        if callable(value):
+            found += _step_tensors(value, depth + 1)
+    return found
+
+
+def needs_grad(step: Any, state: Any) -> bool:
+    """Whether a gradient is being taken through the chain: grad mode is on and the state or a
+    tensor the step holds requires grad (``torch.autograd``) or is tracked by ``torch.func.grad``."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(_tracks_grad(x) for x in (*pytree.tree_leaves(state), *_step_tensors(step)))
+
+
 def run(
     step: Callable[[Any, Tensor], tuple[Any, Any]],
     state: Any,
@@ -81,7 +121,7 @@ def run(
     *,
     start: int | Tensor = 0,
     collect: Callable[[Any], Any] | None = None,
-    unroll: bool = False,
+    unroll: bool | None = None,
 ) -> tuple[Any, Any, Any]:
     """Run ``n_steps`` steps; returns ``(state, trace, info)``, every step kept.
 
@@ -94,8 +134,10 @@ def run(
         start: the index of the first step in each chain's stream (an int or a 0-dim integer
             tensor, e.g. ``ChainState.steps_taken``).
         collect: ``state -> pytree`` kept after every step (default: the position).
-        unroll: trace a Python loop instead of ``scan`` under compile (for ``torch.func.grad``
-            through the chain; the graph grows with ``n_steps``).
+        unroll: trace a Python loop instead of ``scan`` under compile. ``None`` (default) unrolls
+            exactly when a gradient is being taken through the chain (:func:`needs_grad`):
+            torch 2.13's scan has no ``torch.func`` rule, and its autograd rule fails on
+            boolean outputs such as ``is_accepted``. The unrolled graph grows with ``n_steps``.
 
     Returns:
         the final state; ``trace`` (``collect``'s pytree, leaves ``(n_steps, *chains, ...)``);
@@ -107,4 +149,6 @@ def run(
     n_steps = _checks.check_int("n_steps", n_steps, 1)
     collect = position if collect is None else collect
     _checks.check_callable("collect", collect, "state -> pytree of tensors")
-    return loop(step, collect, keys, state, _steps(start, n_steps, keys.device), unroll)
+    if unroll is None:
+        unroll = needs_grad(step, state)
+    return loop(step, collect, keys, state, _steps(start, n_steps, keys.device), bool(unroll))

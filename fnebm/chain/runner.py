@@ -34,9 +34,16 @@ _IDS = itertools.count()
 
 def code_key(fn: Any) -> Hashable:
     """What identifies a callable's *code*, not its values: partials by their function and
-    argument names, functions by their code object, bound methods by theirs, objects by type."""
+    arguments (callable arguments, such as an energy, by their own code; others by name),
+    functions by their code object, bound methods by theirs, other objects by type.
+
+    So ``mala(gaussian_a, 0.1).step`` and ``mala(gaussian_b, 0.2).step`` share a key (and a
+    graph), while MALA on a Gaussian and MALA on a network get runners of their own.
+    """
     if isinstance(fn, functools.partial):
-        return ("partial", code_key(fn.func), len(fn.args), tuple(sorted(fn.keywords)))
+        args = tuple(code_key(a) if callable(a) else None for a in fn.args)
+        kwargs = tuple((k, code_key(v) if callable(v) else None) for k, v in sorted(fn.keywords.items()))
+        return ("partial", code_key(fn.func), args, kwargs)
     if isinstance(fn, types.MethodType):
         return ("method", code_key(fn.__func__))
     code = getattr(fn, "__code__", None)
@@ -62,11 +69,14 @@ class RunnerCache:
 
     ``get(key)`` returns ``run(step, collect, keys, state, ts) -> (state, kept, info)``, compiled
     the first time it is called (eager runners are not cached: they hold nothing). Pass your
-    own instance to ``sample_chain(cache=...)`` to keep graphs apart or drop them with ``clear()``.
+    own instance to ``sample_chain(cache=...)`` to keep graphs apart, drop them with ``clear()``,
+    or compile with another ``torch.compile`` backend (e.g. ``"aot_eager"`` to debug, or a
+    counting backend in tests).
     """
 
-    def __init__(self, maxsize: int = 64):
+    def __init__(self, maxsize: int = 64, backend: Any = "inductor"):
         self.maxsize = maxsize
+        self.backend = backend
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
         self._probes: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -87,7 +97,8 @@ class RunnerCache:
         with self._lock:
             run = self._runners.pop(key, None)
             if run is None:
-                run = torch.compile(_fresh(_chunk), fullgraph=True, options=_COMPILE_OPTIONS)
+                options = _COMPILE_OPTIONS if self.backend == "inductor" else None
+                run = torch.compile(_fresh(_chunk), fullgraph=True, backend=self.backend, options=options)
             self._runners[key] = run
             while len(self._runners) > self.maxsize:
                 self._runners.popitem(last=False)
