@@ -2,10 +2,10 @@
 
     python bench/profile_w1.py [--chains 10000] [--steps 100] [--repeats 7]
 
-Each variant is a batch-native step function (it takes every chain's key at once, as
-fnebm's samplers do) run by fnebm.sample_chain (compiled, warm medians), so the differences
-split the time into the trajectory and loop, RNG (key derivation + normals), gradient and the
-rest (energy value, divergence checks, cached state).
+Each variant is a batched step function ``step(state, keys: (chains, 2))`` (it takes every
+chain's key at once, as fnebm's samplers do) run by fnebm.sample_chain (compiled, warm
+medians), so the differences split the time into the trajectory and loop, RNG (key
+derivation + normals), gradient and the rest (energy value, divergence checks, cached state).
 """
 
 import argparse
@@ -19,7 +19,6 @@ import torch
 import fnebm
 from fnebm import energies
 from fnebm import random as fr
-from fnebm.samplers.base import batch_native
 
 
 class S(NamedTuple):
@@ -39,23 +38,18 @@ def main():
 
     grad = torch.func.vmap(e.grad)  # the closed-form gradient, per chain
 
-    @batch_native
     def copy_only(s, key):  # the loop and the trajectory buffer, nothing else
         return S(s.position * 1.0, s.energy), ()
 
-    @batch_native
     def keys_only(s, key):  # sample_chain's per-step fold_in, and nothing else
         return S(s.position + key[..., :1].to(s.position.dtype) * 0, s.energy), ()
 
-    @batch_native
     def rng_only(s, key):  # fold_in + the normals
         return S(s.position + fr.normal(key, s.position.shape[1:]), s.energy), ()
 
-    @batch_native
     def grad_only(s, key):
         return S(s.position - eta * grad(s.position), s.energy), ()
 
-    @batch_native
     def analytic(s, key):  # Langevin with the closed-form gradient, no energy, no checks
         return S(s.position - eta * grad(s.position) + scale * fr.normal(key, s.position.shape[1:]), s.energy), ()
 

@@ -1,17 +1,30 @@
 """fnebm side by side with its peers, in one process run.
 
-    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W3,RNG] [--fresh-cache]
+    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W3,W5,RNG] [--fresh-cache]
 
 Workloads (fixed, so that runs compare over time):
-  W1   unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
-       peers: TorchEBM LangevinDynamics + DoubleWellModel, a plain PyTorch eager autograd
-       loop, JAX (jit + vmap(grad) + lax.scan)
-  W3   MALA, same target and sizes; peer: BlackJAX mala (jit + vmap + lax.scan)
-  RNG  10**6 standard normals: fnebm.random.normal compiled vs torch.randn
+  W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
+         peers: TorchEBM LangevinDynamics + DoubleWellModel, a plain PyTorch eager autograd
+         loop, JAX (jit + vmap(grad) + lax.scan)
+  W1out  W1 for fnebm alone, the trace allocated per call (as in W1) against the trace
+         buffers of an earlier call passed back as sample_chain(out=...)
+  W3     MALA, same target and sizes; peer: BlackJAX mala (jit + vmap + lax.scan)
+  W5     MALA, 10-D Gaussian with diagonal precision (1, 2, ..., 10), mean 0: a sweep over 16
+         step sizes (10**-2 .. 10**0, log-spaced) x 1,024 chains x 200 steps in one call,
+         per-chain step sizes. fnebm: one fnebm.mala(target, step_sizes) over 16,384 chains
+         (flat, each step size repeated 1,024 times) and, as a variant, over chain axes
+         (16, 1024) with step sizes (16,) and chain_ndim=2; peer: BlackJAX mala with
+         jax.vmap over step sizes and chains in jit + lax.scan. Also "sweep": a run with
+         new step-size values (fnebm: a new sampler; BlackJAX: the same jitted function,
+         the step sizes a traced argument), which must not compile again.
+  RNG    10**6 standard normals: fnebm.random.normal compiled vs torch.randn
 
 Every implementation keeps the whole trajectory (draws x chains x dim), as a sampler's user
-would. Cold = the first call in this process (compilation included); warm = the median of
---repeats further calls. The ratio is peer warm / fnebm warm (> 1: fnebm is faster).
+would. Method (the machine is noisy): each implementation's first call is timed alone (cold,
+compilation included: the time to first result); then the warm calls are interleaved round
+by round (fnebm, peer 1, peer 2, ..., fnebm, peer 1, ...) for --repeats rounds. warm = the
+median of an implementation's warm calls; ratio = the median over rounds of (peer time in
+round r / fnebm time in round r) (> 1: fnebm is faster).
 fnebm's cold time depends on Inductor's on-disk cache: by default the machine's cache is used
 (a second process reuses the compiled graphs); --fresh-cache points Inductor at an empty
 directory, which gives the cold time of a first run ever.
@@ -21,6 +34,7 @@ Peers are optional (`pip install -e .[bench]`); a missing one is reported, not f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -41,44 +55,100 @@ from fnebm import energies  # noqa: E402
 from fnebm import random as fr  # noqa: E402
 
 H, B, DIM, ETA = 2.0, 1.0, 10, 0.01
+W5_PRECISION = [float(i) for i in range(1, DIM + 1)]  # diagonal precision of W5's Gaussian (mean 0)
 
 
 class Missing(Exception):
     """A peer that is not installed."""
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+class Bench:
+    """One implementation of a workload: ``run()`` does the timed work; ``sweep()`` (optional)
+    does it with new parameter values on every call; ``compiles()`` (optional) counts the
+    compilations so far, to check that a sweep compiled nothing."""
+
+    def __init__(self, run: Callable[[], object], sweep: Callable[[], object] | None = None,
+                 compiles: Callable[[], int] | None = None):
+        self.run, self.sweep, self.compiles = run, sweep, compiles
+
+
+def _time(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
-    cold = time.perf_counter() - t0
-    warm = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        warm.append(time.perf_counter() - t0)
-    return cold, statistics.median(warm)
+    return time.perf_counter() - t0
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # ----------------------------------------------------------------------------- fnebm
 
 
-def fnebm_chain(make_alg, chains, steps):
+def fnebm_chain(make_alg, chains, steps, out=False):
     alg = make_alg(energies.double_well(H, B))
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, DIM)))
     key = fr.key(1)
-
-    def run():
-        return fnebm.sample_chain(alg.step, state, key, steps, progress=False)[1]
-
-    return run
+    if not out:
+        return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False)[1]
+    _, trace, info = fnebm.sample_chain(alg.step, state, key, steps, progress=False)
+    bufs = (trace, info)  # the buffers of an earlier call, filled in place from now on
+    return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False, out=bufs)[1]
 
 
 def fnebm_langevin(chains, steps):
     return fnebm_chain(lambda e: fnebm.langevin(e, ETA), chains, steps)
 
 
+def fnebm_langevin_out(chains, steps):
+    return fnebm_chain(lambda e: fnebm.langevin(e, ETA), chains, steps, out=True)
+
+
 def fnebm_mala(chains, steps):
     return fnebm_chain(lambda e: fnebm.mala(e, ETA), chains, steps)
+
+
+def _w5_step_sizes(n_sizes: int, sweep: int = 0) -> torch.Tensor:
+    """W5's step sizes, 10**-2 .. 10**0 log-spaced; sweep i > 0 scales them by 1 + i/100 (new values)."""
+    return torch.logspace(-2, 0, n_sizes) * (1 + sweep / 100)
+
+
+def _fnebm_sweep(sizes, chains, steps, flat):
+    target = energies.gaussian(torch.zeros(DIM), precision=torch.tensor(W5_PRECISION))
+    x0 = fr.normal(fr.key(0), (sizes, chains, DIM))
+    key = fr.key(1)
+
+    def per_chain(h):  # flat: one step size per chain of 16,384; else one per row of (16, 1024)
+        return h.repeat_interleave(chains) if flat else h
+
+    alg = fnebm.mala(target, per_chain(_w5_step_sizes(sizes)))
+    if flat:
+        state, ndim = torch.func.vmap(alg.init)(x0.reshape(sizes * chains, DIM)), 1
+    else:
+        state, ndim = torch.func.vmap(torch.func.vmap(alg.init))(x0), 2
+
+    def run():
+        return fnebm.sample_chain(alg.step, state, key, steps, progress=False, chain_ndim=ndim)[1]
+
+    n_sweeps = 0
+
+    def sweep():  # a new sampler, new step-size values of the same shape
+        nonlocal n_sweeps
+        n_sweeps += 1
+        new = fnebm.mala(target, per_chain(_w5_step_sizes(sizes, n_sweeps)))
+        return fnebm.sample_chain(new.step, state, key, steps, progress=False, chain_ndim=ndim)[1]
+
+    return Bench(run, sweep, _dynamo_graphs)
+
+
+def fnebm_mala_sweep_flat(sizes, chains, steps):
+    return _fnebm_sweep(sizes, chains, steps, flat=True)
+
+
+def fnebm_mala_sweep_2axes(sizes, chains, steps):
+    return _fnebm_sweep(sizes, chains, steps, flat=False)
 
 
 # ----------------------------------------------------------------------------- torch peers
@@ -131,6 +201,14 @@ def _jax():
     return jax, jnp
 
 
+def _blackjax():
+    try:
+        import blackjax
+    except ImportError as e:
+        raise Missing(f"blackjax ({e.name})") from None
+    return blackjax
+
+
 def _jax_energy(jnp):
     return lambda x: H * jnp.sum((x * x - B * B) ** 2)
 
@@ -155,10 +233,7 @@ def jax_langevin(chains, steps):
 
 def blackjax_mala(chains, steps):
     jax, jnp = _jax()
-    try:
-        import blackjax
-    except ImportError as e:
-        raise Missing(f"blackjax ({e.name})") from None
+    blackjax = _blackjax()
     energy = _jax_energy(jnp)
     alg = blackjax.mala(lambda x: -energy(x), ETA)
 
@@ -177,16 +252,54 @@ def blackjax_mala(chains, steps):
     return lambda: chain(key, x0).block_until_ready()
 
 
+def blackjax_mala_sweep(sizes, chains, steps):
+    jax, jnp = _jax()
+    blackjax = _blackjax()
+    precision = jnp.asarray(W5_PRECISION, dtype=jnp.float32)
+
+    def logdensity(x):
+        return -0.5 * jnp.sum(precision * x * x)
+
+    kernel = blackjax.mala.build_kernel()
+
+    def one(k, s, h):  # one chain, step size h
+        return kernel(k, s, logdensity, h)[0]
+
+    step = jax.vmap(jax.vmap(one, in_axes=(0, 0, None)), in_axes=(0, 0, 0))  # step sizes, then chains
+
+    @jax.jit
+    def chain(key, x0, hs):  # hs: (sizes,), traced: new values reuse the compiled function
+        states = jax.vmap(jax.vmap(lambda x: blackjax.mala.init(x, logdensity)))(x0)
+
+        def body(s, k):
+            s = step(jax.random.split(k, (sizes, chains)), s, hs)
+            return s, s.position
+
+        return jax.lax.scan(body, states, jax.random.split(key, steps))[1]
+
+    key = jax.random.key(0)
+    x0 = jax.random.normal(jax.random.key(1), (sizes, chains, DIM))
+    hs = jnp.asarray(_w5_step_sizes(sizes).numpy())
+    n_sweeps = 0
+
+    def sweep():
+        nonlocal n_sweeps
+        n_sweeps += 1
+        return chain(key, x0, jnp.asarray(_w5_step_sizes(sizes, n_sweeps).numpy())).block_until_ready()
+
+    return Bench(lambda: chain(key, x0, hs).block_until_ready(), sweep, chain._cache_size)
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
-def fnebm_normal(n, _):
+def fnebm_normal(n):
     draw = torch.compile(lambda k: fr.normal(k, (n,)), fullgraph=True)
     key = fr.key(0)
     return lambda: draw(key)
 
 
-def torch_randn(n, _):
+def torch_randn(n):
     return lambda: torch.randn(n)
 
 
@@ -197,47 +310,105 @@ WORKLOADS = {
         title="unadjusted Langevin, 10-D double well, {chains} chains x {steps} steps",
         ours=("fnebm", fnebm_langevin),
         peers=[("TorchEBM 0.8", torchebm_langevin), ("PyTorch eager", torch_eager_langevin), ("JAX", jax_langevin)],
-        full=(10_000, 100),
-        quick=(1_000, 20),
+        full=dict(chains=10_000, steps=100),
+        quick=dict(chains=1_000, steps=20),
+    ),
+    "W1out": dict(
+        title="W1, fnebm alone: trace buffers reused via out= vs a new trace per call",
+        ours=("fnebm out= (reused)", fnebm_langevin_out),
+        peers=[("fnebm new trace", fnebm_langevin)],
+        full=dict(chains=10_000, steps=100),
+        quick=dict(chains=1_000, steps=20),
     ),
     "W3": dict(
         title="MALA, 10-D double well, {chains} chains x {steps} steps",
         ours=("fnebm", fnebm_mala),
         peers=[("BlackJAX", blackjax_mala)],
-        full=(10_000, 100),
-        quick=(1_000, 20),
+        full=dict(chains=10_000, steps=100),
+        quick=dict(chains=1_000, steps=20),
+    ),
+    "W5": dict(
+        title="MALA step-size sweep, 10-D Gaussian (diagonal precision 1..10), {sizes} step sizes x {chains} chains x {steps} steps",
+        ours=("fnebm (flat chains)", fnebm_mala_sweep_flat),
+        peers=[("BlackJAX", blackjax_mala_sweep), ("fnebm (16, 1024) axes", fnebm_mala_sweep_2axes)],
+        full=dict(sizes=16, chains=1_024, steps=200),
+        quick=dict(sizes=16, chains=64, steps=20),
     ),
     "RNG": dict(
-        title="{chains} standard normals (float32)",
+        title="{n} standard normals (float32)",
         ours=("fnebm", fnebm_normal),
         peers=[("torch.randn", torch_randn)],
-        full=(10**6, 0),
-        quick=(10**6, 0),
+        full=dict(n=10**6),
+        quick=dict(n=10**6),
     ),
 }
 
 
+def _pairs(mine: list[float], ours: list[float]) -> tuple[float, float]:
+    """Median over rounds of mine[r] / ours[r], and of mine[r] - ours[r]."""
+    return (statistics.median(m / o for m, o in zip(mine, ours)),
+            statistics.median(m - o for m, o in zip(mine, ours)))
+
+
 def run_workload(name, spec, quick, repeats):
-    chains, steps = spec["quick" if quick else "full"]
-    rows = []
+    size = spec["quick" if quick else "full"]
+    rows, benches = [], []
     for label, make in [spec["ours"], *spec["peers"]]:
         row = dict(workload=name, impl=label)
         try:
-            row["cold_s"], row["warm_s"] = _timed(make(chains, steps), repeats)
+            b = make(**size)
+            benches.append(b if isinstance(b, Bench) else Bench(b))
         except Missing as e:
             row["missing"] = str(e)
+            benches.append(None)
         rows.append(row)
-    ours = rows[0].get("warm_s")
-    for row in rows:
-        if "warm_s" in row and ours:
-            row["ratio"] = row["warm_s"] / ours
-    return spec["title"].format(chains=chains, steps=steps), rows
+    live = [(row, b) for row, b in zip(rows, benches) if b is not None]
+    # cold: each implementation's first call, alone (compilation included)
+    for row, b in live:
+        row["cold_s"] = _time(b.run)
+    # second sweep: the first call with new parameter values, and whether it compiled
+    for row, b in live:
+        if b.sweep is not None:
+            before = b.compiles() if b.compiles else None
+            row["sweep_first_s"] = _time(b.sweep)
+            if before is not None:
+                row["sweep_compiled"] = b.compiles() != before
+    # warm: round-robin, one call of each implementation per round (A B A B)
+    warm = {id(b): [] for _, b in live}
+    sweeps = {id(b): [] for _, b in live if b.sweep is not None}
+    for _ in range(repeats):
+        gc.collect()
+        for _, b in live:
+            warm[id(b)].append(_time(b.run))
+        for _, b in live:
+            if b.sweep is not None:
+                sweeps[id(b)].append(_time(b.sweep))
+    ours = warm[id(benches[0])] if benches[0] is not None else None
+    ours_sweep = sweeps.get(id(benches[0])) if benches[0] is not None else None
+    for row, b in live:
+        row["warm_s"] = statistics.median(warm[id(b)])
+        row["warm_all_s"] = warm[id(b)]
+        if ours:
+            row["ratio"], row["delta_s"] = _pairs(warm[id(b)], ours)
+        if id(b) in sweeps:
+            row["sweep_s"] = statistics.median(sweeps[id(b)])
+            row["sweep_all_s"] = sweeps[id(b)]
+            if ours_sweep:
+                row["sweep_ratio"], _ = _pairs(sweeps[id(b)], ours_sweep)
+            if b.compiles:
+                row["sweep_compiled"] = row.get("sweep_compiled", False)
+    return spec["title"].format(**size), rows
 
 
-def _fmt(row):
+def _fmt(row, sweep):
     if "missing" in row:
-        return f"  {row['impl']:<16} {'missing: ' + row['missing']}"
-    return f"  {row['impl']:<16} {row['cold_s']:>9.3f} {row['warm_s'] * 1e3:>13.2f} {row['ratio']:>10.2f}x"
+        return f"  {row['impl']:<24} {'missing: ' + row['missing']}"
+    line = f"  {row['impl']:<24} {row['cold_s']:>9.3f} {row['warm_s'] * 1e3:>11.2f} {row['ratio']:>10.2f}x"
+    if sweep and "sweep_s" in row:
+        compiled = {True: "COMPILED", False: "no"}.get(row.get("sweep_compiled"), "?")
+        line += (f" {row['sweep_first_s'] * 1e3:>12.2f} {row['sweep_s'] * 1e3:>11.2f} "
+                 f"{row['sweep_ratio']:>9.2f}x  {compiled}")
+    return line
 
 
 def _cpu_model() -> str:
@@ -251,14 +422,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="fnebm vs TorchEBM, PyTorch and JAX/BlackJAX, side by side")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--repeats", type=int, default=7, help="warm runs per implementation (median)")
+    parser.add_argument("--repeats", type=int, default=11, help="warm rounds (each implementation once per round)")
     parser.add_argument(
         "--json", default=None, help="where to write the table as JSON (default: bench/results.json, or bench/results-quick.json with --quick)"
     )
-    parser.add_argument("--only", default="W1,W3,RNG", help="comma-separated workloads")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty Inductor cache")
     args = parser.parse_args(argv)
     if args.json is None:
@@ -278,23 +456,43 @@ def main(argv=None):
         cores=os.cpu_count(),
         device="cpu",
         inductor_cache="fresh" if args.fresh_cache else "machine",
+        load_before=_load(),
     )
-    print(f"torch {machine['torch']}, {machine['threads']} threads, {machine['cores']} cores; warm = median of {args.repeats}")
+    for mod in ("jax", "blackjax", "torchebm"):
+        try:
+            machine[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            machine[mod] = None
+    print(f"torch {machine['torch']}, {machine['threads']} threads, {machine['cores']} cores, "
+          f"load {machine['load_before']}; {args.repeats} warm rounds, interleaved")
     results = []
     for name in names:
         title, rows = run_workload(name, WORKLOADS[name], args.quick, args.repeats)
+        sweep = any("sweep_s" in row for row in rows)
+        first = rows[0]["impl"]
         print(f"\n{name}: {title}")
-        print(f"  {'impl':<16} {'cold (s)':>9} {'warm (ms)':>13} {'peer/fnebm':>11}")
+        header = f"  {'impl':<24} {'cold (s)':>9} {'warm (ms)':>11} {'x / ' + first[:10]:>11}"
+        if sweep:
+            header += f" {'sweep 1 (ms)':>12} {'sweep (ms)':>11} {'sweep x':>10}  compiled"
+        print(header)
         for row in rows:
-            print(_fmt(row))
+            print(_fmt(row, sweep))
+        if name == "W1out" and "delta_s" in rows[-1]:
+            print(f"  out= saves {rows[-1]['delta_s'] * 1e3:.2f} ms per call (median of per-round differences)")
         results.append(dict(workload=name, title=title, rows=rows))
+    machine["load_after"] = _load()
+    print(f"\nload average after: {machine['load_after']}")
     if args.json:
         tmp = args.json + ".tmp"
+        method = ("cold: each implementation's first call alone; warm: --repeats rounds, one call of "
+                  "each implementation per round in table order; ratio: median over rounds of "
+                  "(this row's time / the first row's time) in the same round")
         with open(tmp, "w") as f:
-            json.dump(dict(machine=machine, quick=args.quick, repeats=args.repeats, results=results), f, indent=2)
+            json.dump(dict(machine=machine, quick=args.quick, repeats=args.repeats, method=method,
+                           results=results), f, indent=2)
             f.write("\n")
         os.replace(tmp, args.json)
-        print(f"\nwrote {args.json}")
+        print(f"wrote {args.json}")
     return 0
 
 
