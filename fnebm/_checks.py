@@ -27,6 +27,8 @@ __all__ = [
     "check_callable",
     "check_int",
     "check_real",
+    "check_shape",
+    "check_float_dtype",
     "check_key",
     "check_key_values",
     "tunable",
@@ -67,6 +69,24 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    """An int or a sequence of ints (SymInts allowed under compile), none negative, as a tuple."""
+    if isinstance(shape, (int, torch.SymInt)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(s if isinstance(s, torch.SymInt) else check_int(name, s) for s in shape)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
+    if any(isinstance(s, int) and s < 0 for s in dims):
+        raise ValueError(f"{name} must have non-negative sizes, got {dims}")
+    return dims
+
+
+def check_float_dtype(name: str, dtype: Any) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype, got {dtype}")
 
 
 def check_real(name: str, value: Any) -> float:

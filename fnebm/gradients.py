@@ -12,12 +12,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from fnebm import _checks
+
 __all__ = ["value_and_grad", "score"]
 
 
 def _check(energy: object) -> None:
-    if not callable(energy):
-        raise TypeError(f"energy must be callable x -> E(x), got {type(energy).__name__}")
+    _checks.check_callable("energy", energy, "x -> E(x)")
 
 
 def value_and_grad(energy: Callable[[Tensor], Tensor]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:

@@ -152,17 +152,11 @@ def _planar(lanes: Sequence[torch.Tensor], key: torch.Tensor, shape: tuple[int, 
 
 
 def _as_shape(shape) -> tuple[int, ...]:
-    if isinstance(shape, int):
-        shape = (shape,)
-    shape = tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"shape must have non-negative sizes, got {shape}")
-    return shape
+    return _checks.check_shape("shape", shape)
 
 
 def _check_float(dtype: torch.dtype) -> None:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
+    _checks.check_float_dtype("dtype", dtype)
 
 
 def bits(key: torch.Tensor, shape: int | Sequence[int] = ()) -> torch.Tensor:
@@ -229,8 +223,8 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     after the batch axes, so the result equals ``vmap(split)(keys)``.
     """
     # a SymInt (a traced chain count under dynamic shapes) is fine too
-    if isinstance(num, bool) or not isinstance(num, (int, torch.SymInt)) or (isinstance(num, int) and num < 1):
-        raise ValueError(f"num must be a positive int, got {num!r}")
+    if not isinstance(num, torch.SymInt):
+        num = _checks.check_int("num", num, 1)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
     even = torch.stack((w0, w2), dim=1).flatten(0, 1)[:num]  # (num, *batch): first words
