@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -179,6 +180,20 @@ def test_two_runs_continued_equal_one_run(compiled, counted):
     # with burn-in: steps 3..11 of the continued run are steps 3..11 of the whole
     _, tail, _ = fnebm.sample_chain(alg.step, first, None, 4, burn_in=3, **kw)
     assert torch.equal(tail[0], trace[0][-4:])
+
+
+@given(split=st.integers(1, 9), burn_in=st.integers(0, 3), thin=st.integers(1, 3))
+@settings(max_examples=12, deadline=None)
+def test_any_split_of_a_run_continues_exactly(split, burn_in, thin):
+    # eager, small: k steps then the rest (with the same burn-in and thinning of the rest)
+    alg = fnebm.langevin(gaussian(MEAN), 0.2)
+    state = torch.func.vmap(alg.init)(X0[:4])
+    kw = dict(progress=False, compile=False)
+    whole, trace, _ = fnebm.sample_chain(alg.step, state, fr.key(11), 10, burn_in=split, thin=1, **kw)
+    first, _, _ = fnebm.sample_chain(alg.step, state, fr.key(11), split, **kw)
+    rest, tail, _ = fnebm.sample_chain(alg.step, first, None, 10 - burn_in, burn_in=burn_in, thin=thin, **kw)
+    assert torch.equal(rest.state.position, whole.state.position)
+    assert torch.equal(tail, trace[burn_in + thin - 1 :: thin][: (10 - burn_in) // thin])
 
 
 def test_saved_chain_loads_with_weights_only_and_resumes_exactly():
