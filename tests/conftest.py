@@ -2,9 +2,15 @@
 graph is built once per session and every test that needs it reuses it."""
 
 import math
+import os
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET once, when it is first imported — which torch.compile may do
+# in any test. Without a GPU, the Triton tests run under the interpreter: set it before that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fnebm
 from fnebm import energies as E
