@@ -6,6 +6,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run and machine (fixed keys, as every other
+# statistical test here): a CI run neither flakes nor depends on a local example database.
+# `pytest --hypothesis-profile=explore` draws fresh ones, to hunt for new counterexamples.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("ci")
 
 # Triton reads TRITON_INTERPRET once, when it is first imported — which torch.compile may do
 # in any test. Without a GPU, the Triton tests run under the interpreter: set it before that.
