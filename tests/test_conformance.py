@@ -40,6 +40,8 @@ SAMPLERS: dict[str, Entry] = {
     "mala": Entry(lambda e, step_size: fnebm.mala(e, step_size), {"step_size": 0.3}, True),
     "langevin": Entry(lambda e, step_size, noise_scale: fnebm.langevin(e, step_size, noise_scale),
                       {"step_size": 0.1, "noise_scale": 0.8}, False),
+    "hmc": Entry(lambda e, step_size: fnebm.hmc(e, step_size, torch.tensor([1.0, 0.5], dtype=F64), 3),
+                 {"step_size": 0.2}, True),
 }
 
 

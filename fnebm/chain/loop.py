@@ -92,6 +92,8 @@ def _step_tensors(fn: Any, depth: int = 0) -> list[Any]:
     if isinstance(fn, functools.partial):
         found = pytree.tree_leaves((fn.args, fn.keywords))
         return found + [t for x in (*fn.args, *fn.keywords.values(), fn.func) if callable(x) for t in _step_tensors(x, depth + 1)]
+    if torch.compiler.is_compiling():
+        return []  # Dynamo cannot read closure cells; fnebm's steps hold their tensors in partials
     cells = getattr(fn, "__closure__", None) or ()
     found = []
     for cell in cells:

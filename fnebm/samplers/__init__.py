@@ -2,6 +2,7 @@
 axes) and a constructor returning ``SamplingAlgorithm(init, step)``. See :mod:`fnebm.samplers.base`."""
 
 from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
+from fnebm.samplers.hmc import HMCInfo, HMCState, hmc
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
 from fnebm.samplers.mala import MALAInfo, MALAState, mala
 
@@ -14,4 +15,7 @@ __all__ = [
     "mala",
     "MALAState",
     "MALAInfo",
+    "hmc",
+    "HMCState",
+    "HMCInfo",
 ]
