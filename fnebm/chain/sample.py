@@ -252,7 +252,6 @@ def sample_chain(
     if len(devices) > 1 or chain.keys.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
     _check_finite(chain.state)
-    chains = tuple(chain.keys.shape[:-1])
 
     cache = default_cache if cache is None else cache
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)

@@ -39,6 +39,7 @@ __all__ = [
     "check_energy",
     "check_position",
     "energy_and_grad",
+    "init_position_state",
 ]
 
 
@@ -139,6 +140,14 @@ def check_position(position: Any, energy_fn: Any) -> None:
             raise ValueError(f"position of shape {tuple(position.shape)} does not fit the energy: {e}") from None
     if _checks.is_concrete(position) and not bool(torch.isfinite(position).all()):
         raise ValueError("position must be finite (no NaN or inf): a chain started there never moves")
+
+
+def init_position_state(state_type: type, position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> Any:
+    """``state_type(position, E(position), dE/dx)`` for one chain, after the boundary checks:
+    the ``init`` of every sampler whose state caches the energy and gradient."""
+    check_energy(energy_fn)
+    check_position(position, energy_fn)
+    return state_type(position, *energy_and_grad(energy_fn, position))
 
 
 def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,8 +21,7 @@ from fnebm.samplers.base import (
     SamplingAlgorithm,
     chain_axes,
     check_energy,
-    check_position,
-    energy_and_grad,
+    init_position_state,
     event_all,
     over_batch,
     per_chain,
@@ -60,9 +59,7 @@ torch.serialization.add_safe_globals([HMCState, HMCInfo])
 
 def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> HMCState:
     """One chain's state at ``position: (d,)``; ``torch.func.vmap`` it for many chains."""
-    check_energy(energy_fn)
-    check_position(position, energy_fn)
-    return HMCState(position, *energy_and_grad(energy_fn, position))
+    return init_position_state(HMCState, position, energy_fn)
 
 
 def build_kernel(

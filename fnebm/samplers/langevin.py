@@ -20,8 +20,7 @@ from fnebm.samplers.base import (
     SamplingAlgorithm,
     chain_axes,
     check_energy,
-    check_position,
-    energy_and_grad,
+    init_position_state,
     event_all,
     over_batch,
     per_chain,
@@ -56,9 +55,7 @@ torch.serialization.add_safe_globals([LangevinState, LangevinInfo])
 
 def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> LangevinState:
     """One chain's state at ``position: event``; ``torch.func.vmap`` it for many chains."""
-    check_energy(energy_fn)
-    check_position(position, energy_fn)
-    return LangevinState(position, *energy_and_grad(energy_fn, position))
+    return init_position_state(LangevinState, position, energy_fn)
 
 
 def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:

@@ -20,8 +20,7 @@ from fnebm.samplers.base import (
     SamplingAlgorithm,
     chain_axes,
     check_energy,
-    check_position,
-    energy_and_grad,
+    init_position_state,
     event_all,
     event_sum,
     over_batch,
@@ -60,9 +59,7 @@ torch.serialization.add_safe_globals([MALAState, MALAInfo])
 
 def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> MALAState:
     """One chain's state at ``position: event``; ``torch.func.vmap`` it for many chains."""
-    check_energy(energy_fn)
-    check_position(position, energy_fn)
-    return MALAState(position, *energy_and_grad(energy_fn, position))
+    return init_position_state(MALAState, position, energy_fn)
 
 
 def log_acceptance_ratio(
