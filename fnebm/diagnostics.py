@@ -35,6 +35,15 @@ _F64 = torch.float64
 # makes ~15 full-size temporaries, and bounding them keeps memory flat and the work in
 # cache (2x faster on CPU for a 40M-draw trace than one pass over everything).
 _BLOCK_DRAWS = 1 << 20
+# Geyer's sequences branch on the sign of an autocorrelation pair sum (ArviZ: go on while
+# it is > 0, keep the pair when it is >= 0), and ESS jumps by a few percent between the
+# branches. With tied draws a pair sum is often exactly 0 in exact arithmetic; the float
+# value is then FFT rounding noise (~1e-16) whose sign depends on the FFT library (numpy's
+# pocketfft in ArviZ, MKL or cuFFT in torch) and on the order of the sums, so no float
+# implementation can track ArviZ there. Pair sums this close to 0 are taken as exactly 0:
+# the branch ArviZ's algorithm takes in exact arithmetic, the same on every device. (For a
+# continuous trace a pair sum this small is a ~1e-12 chance.)
+_PAIR_TIE_TOL = 1e-12
 
 
 # --------------------------------------------------------------------------- helpers
@@ -153,7 +162,8 @@ def _mean_autocov(x: Tensor) -> Tensor:
 def _ess_rows(x: Tensor) -> Tensor:
     """ESS of ``x: (D, C, N)`` (ArviZ ``_ess``) with Geyer's initial positive and initial
     monotone sequences, vectorised: ArviZ's two while-loops become a count of leading
-    positive pair sums and a ``cummin`` over them."""
+    positive pair sums and a ``cummin`` over them. Pair sums within ``_PAIR_TIE_TOL`` of
+    0 count as 0, the exact-arithmetic branch."""
     _, c, n = x.shape
     flat = x.flatten(1)
     constant = (flat.amax(-1) - flat.amin(-1)) < torch.finfo(_F64).resolution
@@ -169,6 +179,7 @@ def _ess_rows(x: Tensor) -> Tensor:
     # Pair sums P_j = rho[2j] + rho[2j+1]; ArviZ's loop can reach j = jmax (t < N - 3).
     jmax = max(0, (n - 3) // 2)
     pairs = rho[:, 0 : 2 * jmax + 2 : 2] + rho[:, 1 : 2 * jmax + 2 : 2]  # (D, jmax + 1)
+    pairs = torch.where(pairs.abs() <= _PAIR_TIE_TOL, 0.0, pairs)  # ties: see _PAIR_TIE_TOL
     # Loop iteration j runs while every earlier pair sum is > 0 (NaN stops it too).
     n_pos = (pairs[:, :jmax] > 0).to(torch.int64).cumprod(-1).sum(-1, keepdim=True)
     keep = torch.arange(jmax + 1, device=x.device) < n_pos

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+from fractions import Fraction
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fnebm import diagnostics as dg
@@ -17,6 +20,7 @@ from fnebm import diagnostics as dg
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", FutureWarning)
     az = pytest.importorskip("arviz")
+    from arviz.stats import diagnostics as az_diagnostics
 
 # ArviZ logs a warning (and numpy a RuntimeWarning) for NaN, constant or 1-chain input:
 # those cases are expected here.
@@ -43,6 +47,119 @@ def arviz_reference(trace: np.ndarray, name: str) -> np.ndarray:
     # ArviZ wants one (chain, draw) array per variable.
     values = [float(ref(flat[:, :, i].T)) for i in range(flat.shape[-1])]
     return np.array(values).reshape(trace.shape[2:])
+
+
+def _exact_ess(ary, relative=False, ties=None):
+    """ArviZ 0.23.4's ``_ess``, line for line, in exact rational arithmetic on the float
+    draws (the autocovariance by its defining sum: what ArviZ's FFT computes, unrounded),
+    with pair sums within ``dg._PAIR_TIE_TOL`` of 0 taken as 0, as fnebm does. Each such
+    pair sum that the loops reach is appended to ``ties``. Small traces only.
+
+    ArviZ branches on the sign of these pair sums; with ties in the draws one can be 0 (or
+    1e-17) and ArviZ's float value of it rounding noise of either sign, so there ArviZ is
+    not a reference and this is."""
+    ary = np.atleast_2d(np.asarray(ary, dtype=float))
+    if np.isnan(ary).any() or np.ptp(ary) < np.finfo(float).resolution:
+        return _ARVIZ_ESS(ary, relative=relative)  # NaN / constant: no autocovariance
+    n_chain, n_draw = ary.shape
+    rows = [[Fraction(v) for v in row] for row in ary.tolist()]
+    chain_mean = [sum(row) / n_draw for row in rows]
+    dev = [[v - m for v in row] for row, m in zip(rows, chain_mean)]
+    acov = [  # biased autocovariance, averaged over chains
+        sum(sum(d[i] * d[i + t] for i in range(n_draw - t)) for d in dev) / (n_chain * n_draw)
+        for t in range(n_draw)
+    ]
+    mean_var = acov[0] * n_draw / (n_draw - 1)
+    var_plus = mean_var * (n_draw - 1) / n_draw
+    if n_chain > 1:
+        grand = sum(chain_mean) / n_chain
+        var_plus += sum((m - grand) ** 2 for m in chain_mean) / (n_chain - 1)
+    rho = [1 - (mean_var - a) / var_plus for a in acov]
+
+    def pair_sum(even, odd):
+        total = even + odd
+        if abs(total) <= dg._PAIR_TIE_TOL:
+            if ties is not None:
+                ties.append(float(total))
+            return 0
+        return total
+
+    rho_hat_t = [Fraction(0)] * n_draw
+    rho_hat_even = Fraction(1)
+    rho_hat_t[0] = rho_hat_even
+    rho_hat_odd = rho[1]
+    rho_hat_t[1] = rho_hat_odd
+    t = 1  # Geyer's initial positive sequence
+    while t < (n_draw - 3) and pair_sum(rho_hat_even, rho_hat_odd) > 0:
+        rho_hat_even, rho_hat_odd = rho[t + 1], rho[t + 2]
+        if pair_sum(rho_hat_even, rho_hat_odd) >= 0:
+            rho_hat_t[t + 1], rho_hat_t[t + 2] = rho_hat_even, rho_hat_odd
+        t += 2
+    max_t = t - 2
+    if rho_hat_even > 0:
+        rho_hat_t[max_t + 1] = rho_hat_even
+    t = 1  # Geyer's initial monotone sequence
+    while t <= max_t - 2:
+        if (rho_hat_t[t + 1] + rho_hat_t[t + 2]) > (rho_hat_t[t - 1] + rho_hat_t[t]):
+            rho_hat_t[t + 1] = rho_hat_t[t + 2] = (rho_hat_t[t - 1] + rho_hat_t[t]) / 2
+        t += 2
+    ess = n_chain * n_draw
+    tau_hat = -1 + 2 * sum(rho_hat_t[: max_t + 1]) + sum(rho_hat_t[max_t + 1 : max_t + 2])
+    tau_hat = max(float(tau_hat), 1 / np.log10(ess))
+    return (1 if relative else ess) / tau_hat
+
+
+def _exact_rhat(ary, ties=None):
+    """ArviZ 0.23.4's ``_rhat`` in exact arithmetic. When every (split) chain is constant
+    but the chains differ, the within-chain variance is 0 and R-hat is inf; ArviZ's float
+    variance of a constant chain can instead be ~1e-33 (np.mean rounds), giving a finite
+    R-hat of ~1e16 that depends on the rounding. Such cases are appended to ``ties``."""
+    ary = np.asarray(ary, dtype=float)
+    if np.isnan(ary).any():
+        return _ARVIZ_RHAT(ary)
+    n_chain, n_draw = ary.shape
+    rows = [[Fraction(v) for v in row] for row in ary.tolist()]
+    chain_mean = [sum(row) / n_draw for row in rows]
+    chain_var = [sum((v - m) ** 2 for v in row) / (n_draw - 1) for row, m in zip(rows, chain_mean)]
+    grand = sum(chain_mean) / n_chain
+    between = n_draw * sum((m - grand) ** 2 for m in chain_mean) / (n_chain - 1)
+    within = sum(chain_var) / n_chain
+    if within == 0:
+        if ties is not None:
+            ties.append(0.0)
+        return np.inf if between > 0 else np.nan
+    return float(np.sqrt(float((between / within + n_draw - 1) / n_draw)))
+
+
+_ARVIZ_ESS = az_diagnostics._ess
+_ARVIZ_RHAT = az_diagnostics._rhat
+
+
+def arviz_exact_reference(trace: np.ndarray, name: str, ties: list | None = None) -> np.ndarray:
+    """:func:`arviz_reference` with ArviZ's ``_ess`` and ``_rhat`` in exact arithmetic
+    (:func:`_exact_ess`, :func:`_exact_rhat`); the knife edges they meet go in ``ties``."""
+    with (
+        mock.patch.object(az_diagnostics, "_ess", functools.partial(_exact_ess, ties=ties)),
+        mock.patch.object(az_diagnostics, "_rhat", functools.partial(_exact_rhat, ties=ties)),
+    ):
+        return arviz_reference(trace, name)
+
+
+def assert_matches_arviz(trace: np.ndarray, name: str) -> None:
+    """fnebm equals ArviZ -- or, only where ArviZ met a knife edge (a Geyer pair sum within
+    ``dg._PAIR_TIE_TOL`` of 0, or constant split chains for R-hat) and its float rounding
+    gave another value than its algorithm does in exact arithmetic, equals the exact value."""
+    ours = STATS[name][0](torch.from_numpy(trace)).numpy()
+    ref = arviz_reference(trace, name)
+    off = ~np.isclose(ours, ref, rtol=RTOL, atol=0, equal_nan=True)
+    if off.any():
+        ties: list = []
+        exact = arviz_exact_reference(trace, name, ties)
+        flipped = ~np.isclose(ref, exact, rtol=RTOL, atol=0, equal_nan=True)
+        assert ties and flipped[off].all(), (
+            f"{name}: {ours[off]} != ArviZ {ref[off]} (exact: {exact[off]}, ties: {ties})"
+        )
+        np.testing.assert_allclose(ours[off], exact[off], rtol=RTOL, err_msg=name)
 
 
 def ar1(rng: np.random.Generator, draws: int, chains: int, phi: float) -> np.ndarray:
@@ -123,7 +240,24 @@ def test_shifted_chains_flag_bad_mixing():
     assert dg.rhat(torch.from_numpy(_iid(np.random.default_rng(0)))) < 1.01
 
 
+# Regressions: one chain of {-1, 0, 1} draws whose split halves have an autocorrelation
+# pair sum that is exactly 0. ArviZ's FFT rounds it to 0 on the first trace and to
+# -2e-16 on the second (same exact pair sums); fnebm rounded the first to -1e-16.
+_TIE_FOUND_BY_CI = dict(seed=22853864, draws=20, chains=1, phi=0.0, scale=0.3)
+_TIE_ARVIZ_ROUNDS_OFF = dict(seed=3286131223, draws=21, chains=1, phi=0.4866464029510986, scale=0.3)
+# Every split chain constant (3 draws each), the chains not all equal: R-hat is inf.
+_CONSTANT_SPLIT_CHAINS = dict(seed=2352581173, draws=6, chains=3, phi=0.8518240612543726, scale=0.3)
+
+
+def _rounded_ar1(seed, draws, chains, phi, scale):
+    trace = ar1(np.random.default_rng(seed), draws, chains, phi)
+    return trace if scale is None else np.round(trace * scale)  # scale 0.0: constant
+
+
 @settings(max_examples=40, deadline=None)
+@example(**_TIE_FOUND_BY_CI)
+@example(**_TIE_ARVIZ_ROUNDS_OFF)
+@example(**_CONSTANT_SPLIT_CHAINS)
 @given(
     seed=st.integers(0, 2**32 - 1),
     draws=st.integers(4, 40),
@@ -132,13 +266,58 @@ def test_shifted_chains_flag_bad_mixing():
     scale=st.sampled_from([0.0, 0.3, 1.0, None]),  # rounding step (ties); None: continuous
 )
 def test_matches_arviz_property(seed, draws, chains, phi, scale):
-    trace = ar1(np.random.default_rng(seed), draws, chains, phi)
-    if scale is not None:
-        trace = np.round(trace * scale)  # 0.0 gives a constant trace
-    for name, (ours, _) in STATS.items():
-        np.testing.assert_allclose(
-            ours(torch.from_numpy(trace)).numpy(), arviz_reference(trace, name), rtol=RTOL
-        )
+    trace = _rounded_ar1(seed, draws, chains, phi, scale)
+    for name in STATS:
+        assert_matches_arviz(trace, name)
+
+
+def test_ess_with_zero_pair_sum_matches_arviz():
+    trace = _rounded_ar1(**_TIE_FOUND_BY_CI)
+    ties: list = []
+    for name in ("ess", "mcse_mean"):
+        ours = STATS[name][0](torch.from_numpy(trace)).numpy()
+        np.testing.assert_allclose(ours, arviz_reference(trace, name), rtol=RTOL)
+        np.testing.assert_allclose(ours, arviz_exact_reference(trace, name, ties), rtol=RTOL)
+    assert ties  # the trace does reach a pair sum of 0
+    # tau = -1 + 2 * (1 + rho_1) + rho_2: the pair (rho_2, rho_3) sums to 0 and ends the
+    # positive sequence, but is kept (>= 0), so rho_2 = -1/55 counts.
+    np.testing.assert_allclose(dg.ess(torch.from_numpy(trace)).item(), 20 / (53 / 55))
+
+
+def test_zero_pair_sum_takes_the_exact_arithmetic_branch():
+    # The same exact pair sums as the CI trace, so the same ESS, whichever way float
+    # rounding (ArviZ's, MKL's, cuFFT's) tips the pair sum that is 0.
+    a, b = (_rounded_ar1(**c) for c in (_TIE_FOUND_BY_CI, _TIE_ARVIZ_ROUNDS_OFF))
+    torch.testing.assert_close(dg.ess(torch.from_numpy(b)), dg.ess(torch.from_numpy(a)))
+    for name in ("ess", "mcse_mean", "ess_bulk", "ess_tail"):
+        ties: list = []
+        exact = arviz_exact_reference(b, name, ties)
+        np.testing.assert_allclose(STATS[name][0](torch.from_numpy(b)).numpy(), exact, rtol=RTOL)
+        assert ties or name == "ess_tail", name
+
+
+def test_rhat_of_constant_split_chains_is_inf():
+    trace = _rounded_ar1(**_CONSTANT_SPLIT_CHAINS)
+    ours = dg.rhat(torch.from_numpy(trace))
+    assert torch.isinf(ours)
+    assert arviz_reference(trace, "rhat") > 1e10  # ArviZ: ~2e16, from np.mean's rounding
+    ties: list = []
+    assert np.isinf(arviz_exact_reference(trace, "rhat", ties)) and ties
+    x = torch.tensor([[1.0, 2.0, 3.0]]).repeat(8, 1)  # (draws, chains): each chain constant
+    assert torch.isinf(dg.rhat(x))
+
+
+@pytest.mark.parametrize(
+    "make", [_sign, _one_chain, _few_draws, _odd_draws, _ties], ids=lambda f: f.__name__.lstrip("_")
+)
+def test_exact_reference_is_arviz_off_ties(make):
+    # The exact-arithmetic oracle of assert_matches_arviz is ArviZ where no tie is reached.
+    trace = make(np.random.default_rng(2021))
+    for name in STATS:
+        ties: list = []
+        exact = arviz_exact_reference(trace, name, ties)
+        assert not ties, name
+        np.testing.assert_allclose(exact, arviz_reference(trace, name), rtol=1e-9, err_msg=name)
 
 
 def test_constant_trace_matches_arviz():
