@@ -5,7 +5,6 @@ code generation, which would cost minutes on two cores); the examples' results d
 depend on the backend.
 """
 
-import functools
 import pathlib
 import re
 

@@ -6,7 +6,6 @@ from hypothesis import given, settings, strategies as st
 
 import fnebm
 from fnebm import diagnostics, energies as E, random as fr
-from fnebm.samplers.base import over_batch
 from fnebm.samplers.mala import log_acceptance_ratio
 
 from conftest import COV, MEAN, N_CHAINS, walled
