@@ -5,8 +5,11 @@ The numbers are ArviZ 0.23's (Vehtari, Gelman, Simpson, Carpenter, Bürkner 2021
 and batched over every event dimension at once.
 
 Layout: ``trace: (draws, chains, *event)`` -- what ``fnebm.sample_chain`` returns; ArviZ
-uses ``(chain, draw)``. Each statistic has shape ``event`` (0-dim for a ``(draws, chains)``
+and BlackJAX users hold ``(chain, draw, *shape)`` and pass ``layout="chains_draws"``
+(left at the default, a trace that looks swapped warns). Each statistic has shape ``event`` (0-dim for a ``(draws, chains)``
 trace), the trace's floating dtype and device. Work is done in float64 internally.
+:func:`summary_table` prints ArviZ's ``az.summary``; :func:`to_arviz` and
+:func:`to_inference_data` hand a trace and its sampler info to ArviZ.
 
 These run once, after sampling, so they may sync with the host; they are not for use
 inside a compiled step.
@@ -14,7 +17,11 @@ inside a compiled step.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -26,8 +33,14 @@ __all__ = [
     "ess_bulk",
     "ess_tail",
     "mcse_mean",
+    "mcse_sd",
     "acceptance_summary",
     "summary",
+    "summary_table",
+    "SummaryTable",
+    "to_arviz",
+    "to_inference_data",
+    "ARVIZ_SAMPLE_STATS",
 ]
 
 _F64 = torch.float64
@@ -51,28 +64,6 @@ _PAIR_TIE_TOL = 1e-12
 # flattened event element, so every step below is batched over D.
 
 
-def _check_trace(trace: Any) -> None:
-    if not isinstance(trace, Tensor) or not trace.is_floating_point():
-        got = trace.dtype if isinstance(trace, Tensor) else type(trace).__name__
-        raise TypeError(
-            f"trace must be a floating-point tensor of shape (draws, chains, *event); got {got}"
-        )
-    if trace.ndim < 2:
-        raise ValueError(
-            "trace must have shape (draws, chains, *event) with at least 2 dims; "
-            f"got shape {tuple(trace.shape)}"
-        )
-    draws, chains = trace.shape[:2]
-    if draws < 4:
-        raise ValueError(
-            f"trace must have shape (draws, chains, *event) with draws >= 4; got {draws} draws"
-        )
-    if chains < 1:
-        raise ValueError(
-            f"trace must have shape (draws, chains, *event) with chains >= 1; got {chains} chains"
-        )
-
-
 def _rows(trace: Tensor) -> Tensor:
     """``(draws, chains, *event) -> (D, chains, draws)`` in float64."""
     draws, chains = trace.shape[:2]
@@ -85,8 +76,8 @@ def _unrows(values: Tensor, trace: Tensor) -> Tensor:
 
 
 def _per_element(trace: Tensor, stat: Callable[[Tensor], Tensor]) -> Tensor:
-    """Validate, apply ``stat: (D, C, N) -> (D,)`` to every event element, reshape back."""
-    _check_trace(trace)
+    """Apply ``stat: (D, C, N) -> (D,)`` to every event element of a validated
+    ``(draws, chains, *event)`` trace, reshape back."""
     x = _rows(trace)
     if x.shape[0] == 0:  # empty event: nothing to compute (and FFT rejects empty input)
         return trace.new_empty(trace.shape[2:])
@@ -223,10 +214,96 @@ def _ess_tail_rows(x: Tensor) -> Tensor:
     return torch.where(high < low, high, low)  # Python min(low, high), as ArviZ
 
 
+# ----------------------------------------------------------------------------- layout
+# fnebm's traces are (draws, chains, *event); ArviZ and BlackJAX users hold (chain, draw,
+# *shape). Passing one for the other raises nothing and gives wrong numbers, so every public
+# function takes ``layout`` and, left at its default, warns on a shape that looks swapped.
+
+_LAYOUTS = ("draws_chains", "chains_draws")
+_FORMS = {"draws_chains": "(draws, chains, *event)", "chains_draws": "(chains, draws, *event)"}
+# A trace looks swapped when it has at most this many draws and at least _SWAP_RATIO times
+# as many chains: (4, 1000) is ArviZ's 4 chains of 1000 draws. Split into halves of <= 8
+# draws, such chains cannot estimate an autocorrelation, so as fnebm's layout it is an
+# unlikely thing to diagnose, while 1-16 chains is what ArviZ and BlackJAX users run.
+# Common fnebm shapes, (1000, 4) or (200, 1024), are far from it.
+_SWAP_MAX_DRAWS = 16
+_SWAP_RATIO = 4
+
+
+def _check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise ValueError(
+            "layout must be 'draws_chains' (fnebm's (draws, chains, *event), the default) or "
+            f"'chains_draws' (ArviZ's and BlackJAX's (chain, draw, *shape)); got {layout!r}"
+        )
+    return layout
+
+
+def _looks_swapped(draws: int, chains: int) -> bool:
+    return draws <= _SWAP_MAX_DRAWS and chains >= _SWAP_RATIO * draws
+
+
+def _swap_hint(what: str, shape: tuple[int, ...]) -> str:
+    return (
+        f"{what} of shape {shape} has {shape[0]} draws of {shape[1]} chains in fnebm's "
+        f"(draws, chains, ...) layout; it looks like (chains, draws, ...), as ArviZ and "
+        "BlackJAX lay it out. Pass layout='chains_draws' if it is, or layout='draws_chains' "
+        "to say it is not"
+    )
+
+
+def _as_draws_chains(trace: Any, layout: Any, *, warn: bool = True, stacklevel: int = 3) -> Tensor:
+    """Validate ``trace`` in ``layout`` and return it as ``(draws, chains, *event)`` (a view).
+
+    ``stacklevel`` 3 points the swap warning at the caller of the public function that
+    calls this directly."""
+    layout = _check_layout(layout)
+    form = _FORMS[layout]
+    if not isinstance(trace, Tensor) or not trace.is_floating_point():
+        got = trace.dtype if isinstance(trace, Tensor) else type(trace).__name__
+        raise TypeError(f"trace must be a floating-point tensor of shape {form}; got {got}")
+    if trace.ndim < 2:
+        raise ValueError(
+            f"trace must have shape {form} with at least 2 dims; got shape {tuple(trace.shape)}"
+        )
+    if layout == "chains_draws":
+        trace = trace.transpose(0, 1)
+    draws, chains = trace.shape[:2]
+    swapped = layout == "draws_chains" and _looks_swapped(draws, chains)
+    if draws < 4:
+        hint = f" ({_swap_hint('trace', tuple(trace.shape))})" if swapped else ""
+        raise ValueError(f"trace must have shape {form} with draws >= 4; got {draws} draws{hint}")
+    if chains < 1:
+        raise ValueError(f"trace must have shape {form} with chains >= 1; got {chains} chains")
+    if swapped and warn:
+        warnings.warn(_swap_hint("trace", tuple(trace.shape)), UserWarning, stacklevel=stacklevel)
+    return trace
+
+
+def _info_value(info: Any, name: str) -> Any:
+    if isinstance(info, Mapping):
+        return info.get(name)
+    return getattr(info, name, None)
+
+
+def _info_items(info: Any) -> list[tuple[str, Any]]:
+    """The fields of a NamedTuple, a mapping or a dataclass, in order."""
+    if isinstance(info, Mapping):
+        return [(str(k), v) for k, v in info.items()]
+    if hasattr(info, "_asdict"):
+        return list(info._asdict().items())
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):
+        return [(f.name, getattr(info, f.name)) for f in dataclasses.fields(info)]
+    raise TypeError(
+        "info must be a NamedTuple, a dataclass or a mapping of (draws, chains) tensors, "
+        f"as a sampler's info; got {type(info).__name__}"
+    )
+
+
 # ----------------------------------------------------------------------------- public
 
 
-def rhat(trace: Tensor) -> Tensor:
+def rhat(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     """Rank-normalised split-R̂ (ArviZ ``az.rhat(..., method="rank")``).
 
     Chains are split in half, the draws rank-normalised across all chains, and R̂ taken
@@ -234,93 +311,135 @@ def rhat(trace: Tensor) -> Tensor:
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` (default, as ``sample_chain`` returns) or
+            ``"chains_draws"`` for an ArviZ/BlackJAX ``(chains, draws, *event)`` array.
+            Left at the default, a trace that looks swapped (at most 16 draws and at
+            least 4 times as many chains) gets a ``UserWarning``; stating it silences that.
 
     Returns:
         ``event``-shaped tensor in ``trace.dtype``. NaN where the trace holds a NaN or
         is constant, and everywhere for a single chain (as ArviZ, which needs 2 chains).
     """
-    return _per_element(trace, _rhat_rank_rows)
+    return _per_element(_as_draws_chains(trace, layout), _rhat_rank_rows)
 
 
-def ess_bulk(trace: Tensor) -> Tensor:
+def ess_bulk(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     """Bulk effective sample size (ArviZ ``az.ess(..., method="bulk")``): split-ESS of the
     rank-normalised draws.
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
 
     Returns:
         ``event``-shaped tensor in ``trace.dtype``, in draws (not relative). NaN where the
         trace holds a NaN; ``chains * 2 * (draws // 2)`` where it is constant.
     """
-    return _per_element(trace, _ess_bulk_rows)
+    return _per_element(_as_draws_chains(trace, layout), _ess_bulk_rows)
 
 
-def ess_tail(trace: Tensor) -> Tensor:
+def ess_tail(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     """Tail effective sample size (ArviZ ``az.ess(..., method="tail")``): the smaller
     split-ESS of the indicators ``x <= q05`` and ``x <= q95`` (type-7 quantiles over all
     chains and draws).
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
 
     Returns:
         ``event``-shaped tensor in ``trace.dtype``. NaN where the trace holds a NaN.
     """
-    return _per_element(trace, _ess_tail_rows)
+    return _per_element(_as_draws_chains(trace, layout), _ess_tail_rows)
 
 
-def ess(trace: Tensor) -> Tensor:
+def _ess_mean_rows(x: Tensor) -> Tensor:
+    return _ess_rows(_split_chains(x))
+
+
+def ess(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     """Classic split-ESS of the draws themselves (ArviZ ``az.ess(..., method="mean")``):
     the ESS that governs the Monte Carlo error of the mean. Not rank-normalised, so it
     assumes finite variance; prefer :func:`ess_bulk` for convergence checks.
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
 
     Returns:
         ``event``-shaped tensor in ``trace.dtype``. NaN where the trace holds a NaN.
     """
-    return _per_element(trace, lambda x: _ess_rows(_split_chains(x)))
+    return _per_element(_as_draws_chains(trace, layout), _ess_mean_rows)
 
 
-def mcse_mean(trace: Tensor) -> Tensor:
+def _mcse_mean_rows(x: Tensor) -> Tensor:
+    return x.flatten(1).std(-1, correction=1) / _ess_mean_rows(x).sqrt()
+
+
+def _mcse_sd_rows(x: Tensor) -> Tensor:
+    """ArviZ ``_mcse_sd``: the delta method on the squared deviations from the mean."""
+    dev2 = (x - x.flatten(1).mean(-1)[:, None, None]).square()
+    evar = dev2.flatten(1).mean(-1)
+    varvar = (dev2.square().flatten(1).mean(-1) - evar.square()) / _ess_mean_rows(dev2)
+    return (varvar / evar / 4).sqrt()
+
+
+def mcse_mean(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     """Monte Carlo standard error of the mean (ArviZ ``az.mcse(..., method="mean")``):
     ``std(draws, ddof=1) / sqrt(ess(trace))``.
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
 
     Returns:
         ``event``-shaped tensor in ``trace.dtype``, in the units of the trace.
     """
-    return _per_element(
-        trace, lambda x: x.flatten(1).std(-1, correction=1) / _ess_rows(_split_chains(x)).sqrt()
-    )
+    return _per_element(_as_draws_chains(trace, layout), _mcse_mean_rows)
 
 
-def acceptance_summary(info: Any) -> dict[str, Any]:
-    """Acceptance statistics from a sampler's per-step ``info``.
+def mcse_sd(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+    """Monte Carlo standard error of the standard deviation (ArviZ
+    ``az.mcse(..., method="sd")``, the ``mcse_sd`` column of ``az.summary``): with
+    ``d = (x - mean)**2``, ``sqrt(var(d) / ess(d) / mean(d) / 4)``, where ``var(d)`` and
+    ``mean(d)`` divide by the number of draws.
 
     Args:
-        info: a NamedTuple (or any object) whose fields, where present, are
-            ``(draws, chains)`` tensors: ``acceptance_rate`` (float in [0, 1]),
-            ``is_accepted`` (bool), ``is_divergent`` (bool). Missing fields are skipped.
+        trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
 
     Returns:
-        A dict with only the keys whose source field exists:
-        ``mean_acceptance_rate`` (0-dim, dtype of ``acceptance_rate``),
-        ``per_chain_acceptance_rate`` (``(chains,)``), ``accepted_fraction`` (0-dim
-        float64), ``n_divergent`` (int), ``divergent_fraction`` (0-dim float64).
+        ``event``-shaped tensor in ``trace.dtype``, in the units of the trace. NaN where
+        the trace holds a NaN or is constant.
     """
+    return _per_element(_as_draws_chains(trace, layout), _mcse_sd_rows)
+
+
+# Sampler info fields read by acceptance_summary: field -> the key its mean goes under.
+_MEAN_FIELDS = {
+    "tree_depth": "mean_tree_depth",
+    "num_integration_steps": "mean_num_integration_steps",
+}
+
+
+def _acceptance(info: Any, layout: str, warn: bool, stacklevel: int) -> dict[str, Any]:
+    form = "(draws, chains)" if layout == "draws_chains" else "(chains, draws)"
+    warned = not warn
 
     def field(name: str) -> Tensor | None:
-        value = getattr(info, name, None)
+        nonlocal warned
+        value = _info_value(info, name)
         if value is None:
             return None
         if not isinstance(value, Tensor) or value.ndim != 2:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"info.{name} must be a (draws, chains) tensor; got {shape}")
+            raise ValueError(f"info.{name} must be a {form} tensor; got {shape}")
+        if layout == "chains_draws":
+            value = value.transpose(0, 1)
+        elif not warned and _looks_swapped(*value.shape):
+            warned = True
+            warnings.warn(_swap_hint(f"info.{name}", tuple(value.shape)), UserWarning,
+                          stacklevel=stacklevel + 1)
         return value
 
     out: dict[str, Any] = {}
@@ -338,28 +457,272 @@ def acceptance_summary(info: Any) -> dict[str, Any]:
         count = torch.count_nonzero(divergent)
         out["n_divergent"] = int(count)
         out["divergent_fraction"] = count.to(_F64) / divergent.numel()
+    for name, key in _MEAN_FIELDS.items():
+        value = field(name)
+        if value is not None:
+            out[key] = value.to(_F64).mean()
     return out
 
 
-def summary(trace: Tensor, info: Any = None) -> dict[str, Any]:
+def acceptance_summary(info: Any, *, layout: str = "draws_chains") -> dict[str, Any]:
+    """Acceptance, divergence and trajectory statistics from a sampler's per-step ``info``.
+
+    Args:
+        info: a NamedTuple, dataclass or mapping whose fields, where present, are
+            ``(draws, chains)`` tensors: ``acceptance_rate`` (float in [0, 1]),
+            ``is_accepted`` (bool), ``is_divergent`` (bool), ``tree_depth`` (NUTS, int),
+            ``num_integration_steps`` (HMC/NUTS leapfrog steps, int). Missing fields
+            (or ``None``) are skipped.
+        layout: ``"draws_chains"`` (default) or ``"chains_draws"`` for ``(chains, draws)``
+            fields; as in :func:`rhat`, the default warns on fields that look swapped.
+
+    Returns:
+        A dict with only the keys whose source field exists:
+        ``mean_acceptance_rate`` (0-dim, dtype of ``acceptance_rate``),
+        ``per_chain_acceptance_rate`` (``(chains,)``), ``accepted_fraction`` (0-dim
+        float64), ``n_divergent`` (int), ``divergent_fraction`` (0-dim float64),
+        ``mean_tree_depth`` and ``mean_num_integration_steps`` (0-dim float64).
+    """
+    return _acceptance(info, _check_layout(layout), warn=True, stacklevel=3)
+
+
+def _stats(trace: Tensor) -> dict[str, Tensor]:
+    """Every per-element statistic of a validated ``(draws, chains, *event)`` trace."""
+    return {
+        "mean": _per_element(trace, lambda x: x.flatten(1).mean(-1)),
+        "std": _per_element(trace, lambda x: x.flatten(1).std(-1, correction=1)),
+        "mcse_mean": _per_element(trace, _mcse_mean_rows),
+        "mcse_sd": _per_element(trace, _mcse_sd_rows),
+        "rhat": _per_element(trace, _rhat_rank_rows),
+        "ess_bulk": _per_element(trace, _ess_bulk_rows),
+        "ess_tail": _per_element(trace, _ess_tail_rows),
+    }
+
+
+def summary(trace: Tensor, info: Any = None, *, layout: str = "draws_chains") -> dict[str, Any]:
     """Posterior summary of a trace, ArviZ ``az.summary``'s diagnostic columns.
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
         info: optional sampler info; its :func:`acceptance_summary` keys are merged in.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, for ``trace`` and ``info``
+            alike, as in :func:`rhat`.
 
     Returns:
-        dict with ``mean``, ``std`` (``ddof=1`` over draws and chains), ``rhat``,
-        ``ess_bulk``, ``ess_tail`` -- each ``event``-shaped in ``trace.dtype`` -- plus the
-        acceptance keys when ``info`` is given.
+        dict with ``mean``, ``std`` (``ddof=1`` over draws and chains), ``mcse_mean``,
+        ``mcse_sd``, ``rhat``, ``ess_bulk``, ``ess_tail`` -- each ``event``-shaped in
+        ``trace.dtype`` -- plus the acceptance keys when ``info`` is given.
     """
-    out = {
-        "mean": _per_element(trace, lambda x: x.flatten(1).mean(-1)),
-        "std": _per_element(trace, lambda x: x.flatten(1).std(-1, correction=1)),
-        "rhat": rhat(trace),
-        "ess_bulk": ess_bulk(trace),
-        "ess_tail": ess_tail(trace),
-    }
-    if info is not None:
-        out.update(acceptance_summary(info))
+    trace = _as_draws_chains(trace, layout)
+    out: dict[str, Any] = _stats(trace)
+    if info is not None:  # the trace was checked for a swap; one warning is enough
+        out.update(_acceptance(info, layout, warn=False, stacklevel=3))
     return out
+
+
+# ------------------------------------------------------------------------- the table
+
+_COLUMNS = ("mean", "sd", "mcse_mean", "mcse_sd", "ess_bulk", "ess_tail", "r_hat")
+_KEYS = ("mean", "std", "mcse_mean", "mcse_sd", "ess_bulk", "ess_tail", "rhat")
+# ArviZ's default rounding in az.summary: 3 decimals, ESS whole, R-hat 2 decimals.
+_DECIMALS = (3, 3, 3, 3, 0, 0, 2)
+
+
+def _label(var_name: str, index: tuple[int, ...]) -> str:
+    """ArviZ's row label: ``x``, ``x[1]``, ``x[0, 2]``."""
+    return var_name if not index else f"{var_name}[{', '.join(map(str, index))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryTable:
+    """:func:`summary_table`'s result: ``print`` it for ArviZ's ``az.summary`` table.
+
+    Attributes:
+        names: row labels, one per event element (``x[0]``, ``x[1]``, ...).
+        columns: ``mean, sd, mcse_mean, mcse_sd, ess_bulk, ess_tail, r_hat``.
+        values: ``(len(names), len(columns))`` float64 CPU tensor, unrounded.
+        sampler: :func:`acceptance_summary` of the ``info`` given, as Python numbers
+            (``per_chain_acceptance_rate`` left out); empty without ``info``.
+    """
+
+    names: tuple[str, ...]
+    columns: tuple[str, ...]
+    values: Tensor
+    sampler: dict[str, float | int]
+
+    def __str__(self) -> str:
+        cells = [
+            [format(v, f".{d}f") for v, d in zip(row, _DECIMALS)] for row in self.values.tolist()
+        ]
+        name_w = max([0, *map(len, self.names)])
+        widths = [max([len(c), *(len(r[j]) for r in cells)]) for j, c in enumerate(self.columns)]
+        lines = [" " * name_w + "".join(f"  {c:>{w}}" for c, w in zip(self.columns, widths))]
+        for name, row in zip(self.names, cells):
+            lines.append(f"{name:<{name_w}}" + "".join(f"  {c:>{w}}" for c, w in zip(row, widths)))
+        s = self.sampler
+        if "n_divergent" in s:
+            lines.append(f"divergences: {s['n_divergent']} ({100 * s['divergent_fraction']:.2f}%)")
+        for key, label in (
+            ("mean_acceptance_rate", "mean acceptance rate"),
+            ("accepted_fraction", "accepted fraction"),
+            ("mean_tree_depth", "mean tree depth"),
+            ("mean_num_integration_steps", "mean integration steps"),
+        ):
+            if key in s:
+                lines.append(f"{label}: {s[key]:.3f}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def to_pandas(self) -> Any:
+        """The unrounded table as a ``pandas.DataFrame`` (needs pandas), as ``az.summary``
+        with ``round_to="none"`` returns it."""
+        import pandas as pd
+
+        return pd.DataFrame(self.values.numpy(), index=list(self.names), columns=list(self.columns))
+
+
+def summary_table(
+    trace: Tensor,
+    info: Any = None,
+    *,
+    layout: str = "draws_chains",
+    var_name: str = "x",
+    names: Sequence[str] | None = None,
+) -> SummaryTable:
+    """ArviZ's ``az.summary`` diagnostics as a printable table, one row per event element.
+
+    Args:
+        trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        info: optional sampler info; divergences, acceptance, tree depth and integration
+            steps (where its fields have them) are printed under the table.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, as in :func:`rhat`.
+        var_name: the variable's name in the row labels, ArviZ style (``x[0]``, ``x[1, 2]``).
+        names: one label per event element (row-major), replacing those labels.
+
+    Returns:
+        A :class:`SummaryTable`; ``print`` shows the columns ``mean, sd, mcse_mean,
+        mcse_sd, ess_bulk, ess_tail, r_hat`` rounded as ``az.summary`` rounds them.
+    """
+    trace = _as_draws_chains(trace, layout)
+    if not isinstance(var_name, str) or not var_name:
+        raise TypeError(f"var_name must be a non-empty str; got {var_name!r}")
+    event = tuple(trace.shape[2:])
+    size = math.prod(event)
+    if names is None:
+        labels = tuple(_label(var_name, tuple(i)) for i in itertools.product(*map(range, event)))
+    else:
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError("names must be a sequence of str, one per event element")
+        labels = tuple(names)
+        if len(labels) != size:
+            raise ValueError(
+                f"names must have one label per event element ({size} for event shape "
+                f"{event}); got {len(labels)}"
+            )
+    stats = _stats(trace)
+    values = torch.stack([stats[k].reshape(-1).to("cpu", _F64) for k in _KEYS], dim=-1)
+    sampler: dict[str, float | int] = {}
+    if info is not None:
+        acc = _acceptance(info, layout, warn=False, stacklevel=3)
+        acc.pop("per_chain_acceptance_rate", None)
+        sampler = {k: v if isinstance(v, int) else float(v) for k, v in acc.items()}
+    return SummaryTable(labels, _COLUMNS, values, sampler)
+
+
+# ------------------------------------------------------------------------------ ArviZ
+
+# fnebm info field -> ArviZ sample_stats name (PyMC's and ArviZ's conventions); other
+# fields keep their names.
+ARVIZ_SAMPLE_STATS = {
+    "is_divergent": "diverging",
+    "acceptance_rate": "acceptance_rate",
+    "tree_depth": "tree_depth",
+    "num_integration_steps": "n_steps",
+    "energy": "energy",
+    "energy_error": "energy_error",
+}
+
+
+def _numpy(x: Tensor) -> Any:
+    x = x.detach()
+    if x.dtype in (torch.bfloat16,) or (x.is_floating_point() and x.dtype.itemsize == 1):
+        x = x.float()  # numpy has no bfloat16 or float8
+    return x.cpu().numpy()
+
+
+def _arviz_dict(trace: Tensor, info: Any, layout: str, var_name: Any) -> dict[str, dict[str, Any]]:
+    """``trace`` already ``(draws, chains, *event)``; ``info`` in ``layout``."""
+    if not isinstance(var_name, str) or not var_name:
+        raise TypeError(f"var_name must be a non-empty str; got {var_name!r}")
+    draws, chains = trace.shape[:2]
+    out: dict[str, dict[str, Any]] = {"posterior": {var_name: _numpy(trace.transpose(0, 1))}}
+    if info is None:
+        return out
+    lead = (draws, chains) if layout == "draws_chains" else (chains, draws)
+    form = "(draws, chains, ...)" if layout == "draws_chains" else "(chains, draws, ...)"
+    stats: dict[str, Any] = {}
+    for name, value in _info_items(info):
+        if not isinstance(value, Tensor):  # nested states, None: not per-draw statistics
+            continue
+        if tuple(value.shape[:2]) != lead:
+            raise ValueError(
+                f"info.{name} must be a {form} tensor matching the trace's {lead}; "
+                f"got shape {tuple(value.shape)}"
+            )
+        if layout == "draws_chains":
+            value = value.transpose(0, 1)
+        stats[ARVIZ_SAMPLE_STATS.get(name, name)] = _numpy(value)
+    if stats:
+        out["sample_stats"] = stats
+    return out
+
+
+def to_arviz(
+    trace: Tensor, info: Any = None, *, layout: str = "draws_chains", var_name: str = "x"
+) -> dict[str, dict[str, Any]]:
+    """The trace (and info) as ``arviz.from_dict``'s keyword arguments; ArviZ not needed.
+
+    ``az.from_dict(**to_arviz(trace, info))`` is the ``InferenceData``
+    (:func:`to_inference_data` does that).
+
+    Args:
+        trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
+        info: optional sampler info (NamedTuple, dataclass or mapping); each tensor field,
+            shaped ``(draws, chains, ...)`` like the trace, goes to ``sample_stats``
+            under ArviZ's name (:data:`ARVIZ_SAMPLE_STATS`: ``is_divergent`` ->
+            ``diverging``, ``num_integration_steps`` -> ``n_steps``, ...; others keep
+            theirs). Fields that are not tensors are left out.
+        layout: ``"draws_chains"`` or ``"chains_draws"``, for ``trace`` and ``info``
+            alike, as in :func:`rhat`.
+        var_name: the posterior variable's name.
+
+    Returns:
+        ``{"posterior": {var_name: array}, "sample_stats": {...}}`` of NumPy arrays on
+        the CPU shaped ``(chain, draw, ...)``, as ArviZ expects; ``sample_stats`` only when
+        ``info`` has tensor fields.
+    """
+    trace = _as_draws_chains(trace, layout)
+    return _arviz_dict(trace, info, layout, var_name)
+
+
+def to_inference_data(
+    trace: Tensor, info: Any = None, *, layout: str = "draws_chains", var_name: str = "x"
+) -> Any:
+    """:func:`to_arviz` made into an ``arviz.InferenceData`` (needs ``pip install arviz``).
+
+    The layout is stated here, so ArviZ's own "more chains than draws" warning (which a
+    run of many short chains triggers) is silenced.
+    """
+    trace = _as_draws_chains(trace, layout)
+    kwargs = _arviz_dict(trace, info, layout, var_name)
+    try:
+        import arviz as az
+    except ImportError as e:
+        raise ImportError(
+            "to_inference_data needs ArviZ (pip install arviz); to_arviz gives the same "
+            "data as a dict without it"
+        ) from e
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="More chains", category=UserWarning)
+        return az.from_dict(**kwargs)

@@ -37,6 +37,7 @@ STATS = {
     "ess_tail": (dg.ess_tail, lambda a: az.ess(a, method="tail")),
     "ess": (dg.ess, lambda a: az.ess(a, method="mean")),
     "mcse_mean": (dg.mcse_mean, lambda a: az.mcse(a, method="mean")),
+    "mcse_sd": (dg.mcse_sd, lambda a: az.mcse(a, method="sd")),
 }
 
 
