@@ -42,6 +42,9 @@ SAMPLERS: dict[str, Entry] = {
                       {"step_size": 0.1, "noise_scale": 0.8}, False),
     "hmc": Entry(lambda e, step_size: fnebm.hmc(e, step_size, torch.tensor([1.0, 0.5], dtype=F64), 3),
                  {"step_size": 0.2}, True),
+    # trajectory length as data (a while_loop under compile) and per-chain jitter
+    "hmc_jittered": Entry(lambda e, step_size: fnebm.hmc(e, step_size, None, torch.tensor(4), step_size_jitter=0.3,
+                                                         trajectory_jitter=True), {"step_size": 0.2}, True),
 }
 
 

@@ -47,3 +47,17 @@ def test_compiled_nested_in_scan_equals_eager():
     got = torch.compile(outer, backend="aot_eager", fullgraph=True)(x, ns, prec)
     want = _expected(_expected(x, ns[0], prec), ns[1], prec)
     torch.testing.assert_close(got[0], want)
+
+
+def test_eager_under_vmap_each_lane_stops_on_its_own_condition():
+    def halve_until_small(x):
+        def cond(x):
+            return x > 1.0
+
+        def body(x):
+            return (x / 2,)
+
+        return while_loop(cond, body, (x,))[0]
+
+    x = torch.tensor([0.5, 3.0, 40.0], dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(halve_until_small)(x), torch.tensor([0.5, 0.75, 0.625], dtype=torch.float64))

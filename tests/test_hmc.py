@@ -94,11 +94,13 @@ def _check_moments(x, mean, cov):
 # removed, the moment check fails at h = 0.6 (identity) and h = 1.2 (dense), checked by hand.
 @pytest.mark.parametrize("metric,name,h", [
     ("identity", "velocity_verlet", 0.6), ("diagonal", "mclachlan", 0.6), ("dense", "velocity_verlet", 1.2),
-    ("identity", "yoshida", 0.5),
+    ("identity", "yoshida", 0.5), ("per-chain dense, jittered", "velocity_verlet", 1.2),
 ])
 def test_hmc_final_states_have_the_target_moments(metric, name, h):
-    imm = {"identity": None, "diagonal": torch.tensor([1.0, 1.0], dtype=F64), "dense": COV}[metric]
-    alg = fnebm.hmc(E.gaussian(MEAN, COV), h, imm, 5, integrator=INTEGRATORS[name][0])
+    imm = {"identity": None, "diagonal": torch.tensor([1.0, 1.0], dtype=F64), "dense": COV,
+           "per-chain dense, jittered": COV * torch.linspace(0.7, 1.3, 4096, dtype=F64)[:, None, None]}[metric]
+    jitter = {"step_size_jitter": 0.2, "trajectory_jitter": True} if "jittered" in metric else {}
+    alg = fnebm.hmc(E.gaussian(MEAN, COV), h, imm, 5, integrator=INTEGRATORS[name][0], **jitter)
     # invariance: chains started at exact draws of the target must stay distributed as the target
     exact = MEAN + fr.normal(fr.key(7), (4096, 2), F64) @ torch.linalg.cholesky(COV).mT
     state = torch.func.vmap(alg.init)(exact)
@@ -119,7 +121,12 @@ def test_hmc_state_caches_energy_and_gradient():
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (lambda e: fnebm.hmc(e, 0.1, torch.ones(2, 3, dtype=F64)), ValueError, r"\(d,\) diagonal or \(d, d\) dense"),
+    (lambda e: fnebm.hmc(e, 0.1, torch.tensor(1.0, dtype=F64)), ValueError, r"\(d,\) or \(\*chains, d\) diagonal"),
+    (lambda e: fnebm.hmc(e, 0.1, fnebm.integrators.metrics.Dense(torch.ones(3, dtype=F64))), ValueError, "has shape"),
+    (lambda e: fnebm.hmc(e, 0.1, fnebm.integrators.metrics.Diagonal(-torch.ones(2, 2, dtype=F64))), ValueError, "> 0 everywhere"),
+    (lambda e: fnebm.hmc(e, 0.1, torch.ones(2, dtype=F64), step_size_jitter=1.0), ValueError, "step_size_jitter must be < 1"),
+    (lambda e: fnebm.hmc(e, 0.1, None, torch.tensor([2, 0])), ValueError, "num_integration_steps must be >= 1"),
+    (lambda e: fnebm.hmc(e, 0.1, None, torch.tensor([2.0])), TypeError, "integer tensor"),
     (lambda e: fnebm.hmc(e, 0.1, torch.tensor([1.0, -1.0], dtype=F64)), ValueError, "> 0 everywhere"),
     (lambda e: fnebm.hmc(e, 0.1, torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=F64)), ValueError, "positive definite"),
     (lambda e: fnebm.hmc(e, 0.1, [1.0, 1.0]), TypeError, "inverse_mass_matrix must be a floating tensor"),
@@ -139,3 +146,64 @@ def test_mass_matrix_of_the_wrong_dimension_is_refused_at_the_step():
     state = torch.func.vmap(alg.init)(torch.zeros(4, 2, dtype=F64))
     with pytest.raises(ValueError, match="inverse_mass_matrix has shape"):
         alg.step(state, fr.split(fr.key(0), 4))
+
+
+def _one_chain_each(make, state, keys):
+    """Each chain stepped alone by the algorithm ``make(c)`` (its own tunables), restacked."""
+    outs = [make(c).step(type(state)(*(f[c] for f in state)), keys[c]) for c in range(keys.shape[0])]
+    return [torch.stack(xs) for xs in zip(*(list(s) + list(i) for s, i in outs))]
+
+
+@pytest.mark.parametrize("form", ["diagonal", "dense", "lengths"])
+def test_per_chain_tunables_equal_each_chain_run_with_its_own(form):
+    target = E.gaussian(MEAN, COV)
+    diag = torch.tensor([[0.5, 2.0], [1.0, 1.0], [2.0, 0.7]], dtype=F64)
+    dense = torch.stack([COV, torch.eye(2, dtype=F64), torch.linalg.inv(COV)])
+    lengths = torch.tensor([1, 4, 2])
+    imm = {"diagonal": diag, "dense": dense, "lengths": diag}[form]
+    n = lengths if form == "lengths" else 3
+    alg = fnebm.hmc(target, 0.3, imm, n)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(1), (3, 2), F64))
+    keys = fr.split(fr.key(2), 3)
+    got = [*alg.step(state, keys)[0], *alg.step(state, keys)[1]]
+    want = _one_chain_each(lambda c: fnebm.hmc(target, 0.3, imm[c], int(lengths[c]) if form == "lengths" else 3),
+                           state, keys)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tensor_length_equals_the_unrolled_int_length():
+    target = E.gaussian(MEAN, COV)
+    state = torch.func.vmap(fnebm.hmc(target, 0.3).init)(fr.normal(fr.key(1), (6, 2), F64))
+    keys = fr.split(fr.key(3), 6)
+    a = fnebm.hmc(target, 0.3, None, 5).step(state, keys)
+    b = fnebm.hmc(target, 0.3, None, torch.tensor(5)).step(state, keys)
+    for x, y in zip([*a[0], *a[1]], [*b[0], *b[1]], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_trajectory_jitter_draws_lengths_in_one_to_L():
+    target = E.gaussian(MEAN, COV)
+    alg = fnebm.hmc(target, 0.3, None, 6, trajectory_jitter=True)
+    state = torch.func.vmap(alg.init)(torch.zeros(2000, 2, dtype=F64))
+    n = alg.step(state, fr.split(fr.key(4), 2000))[1].num_integration_steps
+    counts = torch.bincount(n, minlength=8)
+    assert counts[0] == 0 and counts[7:].sum() == 0
+    # each of 1..6 has probability 1/6: within 4.5 binomial standard errors
+    assert ((counts[1:7] / 2000 - 1 / 6).abs() < 4.5 * math.sqrt((1 / 6) * (5 / 6) / 2000)).all(), counts
+
+
+def test_ambiguous_mass_matrix_is_refused_and_the_wrappers_resolve_it():
+    from fnebm.integrators.metrics import Dense, Diagonal
+    target = E.gaussian(MEAN, COV)
+    state = torch.func.vmap(fnebm.hmc(target, 0.3).init)(fr.normal(fr.key(1), (2, 2), F64))
+    keys = fr.split(fr.key(2), 2)
+    diag = torch.tensor([[0.5, 2.0], [1.0, 1.5]], dtype=F64)
+    with pytest.raises(ValueError, match="ambiguous"):
+        fnebm.hmc(target, 0.3, COV).step(state, keys)
+    as_dense = fnebm.hmc(target, 0.3, Dense(COV)).step(state, keys)
+    want = _one_chain_each(lambda c: fnebm.hmc(target, 0.3, COV), state, keys)
+    torch.testing.assert_close(as_dense[0].position, want[0], rtol=1e-12, atol=1e-12)
+    per_chain = fnebm.hmc(target, 0.3, Diagonal(diag)).step(state, keys)
+    want = _one_chain_each(lambda c: fnebm.hmc(target, 0.3, diag[c]), state, keys)
+    torch.testing.assert_close(per_chain[0].position, want[0], rtol=1e-12, atol=1e-12)

@@ -7,7 +7,8 @@ positions by the sampler) and hold no state; they never draw random numbers them
 """
 
 from fnebm.integrators.diffusion import euler_maruyama
-from fnebm.integrators.metrics import euclidean
+from fnebm.integrators.metrics import Dense, Diagonal, euclidean
 from fnebm.integrators.symplectic import IntegratorState, integrate, mclachlan, velocity_verlet, yoshida
 
-__all__ = ["euler_maruyama", "IntegratorState", "integrate", "velocity_verlet", "mclachlan", "yoshida", "euclidean"]
+__all__ = ["euler_maruyama", "IntegratorState", "integrate", "velocity_verlet", "mclachlan", "yoshida", "euclidean",
+           "Diagonal", "Dense"]

@@ -15,7 +15,8 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm import random as fr
 from fnebm.gradients import value_and_grad
-from fnebm.integrators.metrics import euclidean
+from fnebm._control import while_loop
+from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
     SamplingAlgorithm,
@@ -46,12 +47,14 @@ class HMCState(NamedTuple):
 class HMCInfo(NamedTuple):
     """acceptance_rate ``min(1, exp(-energy_error))``; is_accepted; is_divergent: the energy error
     exceeded ``divergence_threshold`` or the trajectory went non-finite (then rejected);
-    energy_error: ``H(end) - H(start)`` (NaN-free: +inf when non-finite)."""
+    energy_error: ``H(end) - H(start)`` (NaN-free: +inf when non-finite); num_integration_steps:
+    the trajectory's length in integrator steps (int64), after any jitter."""
 
     acceptance_rate: Tensor
     is_accepted: Tensor
     is_divergent: Tensor
     energy_error: Tensor
+    num_integration_steps: Tensor
 
 
 torch.serialization.add_safe_globals([HMCState, HMCInfo])
@@ -65,25 +68,48 @@ def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> HMCState:
 def build_kernel(
     integrator: tuple[float, ...] = velocity_verlet, divergence_threshold: float = 1000.0
 ) -> Callable[..., tuple[HMCState, HMCInfo]]:
-    """The pure kernel ``kernel(state, key, energy_fn, step_size, inverse_mass_matrix, num_integration_steps)``.
+    """The pure kernel ``kernel(state, key, energy_fn, step_size, inverse_mass_matrix,
+    num_integration_steps, step_size_jitter=None, trajectory_jitter=False)``.
 
-    key: ``(*chains, 2)``; step_size: a tensor, 0-dim or per chain; inverse_mass_matrix:
-    ``(d,)`` or ``(d, d)``; num_integration_steps: a Python int (the trajectory unrolls at
-    trace time). ``integrator``: coefficients from :mod:`fnebm.integrators.symplectic`.
+    key: ``(*chains, 2)``; step_size: a tensor, 0-dim or per chain; inverse_mass_matrix: see
+    :mod:`fnebm.integrators.metrics` (shared or per chain, diagonal or dense).
+    num_integration_steps: a Python int (the trajectory unrolls at trace time: the fastest
+    form), or an integer tensor, 0-dim or per chain (data: one graph serves every length; the
+    trajectory is a ``while_loop`` over the longest chain's steps, the others masked).
+    step_size_jitter: ``None`` or a tensor ``j`` in [0, 1), 0-dim or per chain: each chain's step
+    size is drawn uniformly in ``h (1 ± j)`` at every iteration. trajectory_jitter: each chain's
+    length is drawn uniformly in ``{1, ..., L}`` at every iteration (mean ``(L + 1) / 2``).
+    ``integrator``: coefficients from :mod:`fnebm.integrators.symplectic`.
     """
 
     def kernel(state: HMCState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
-               inverse_mass_matrix: Tensor, num_integration_steps: int):
+               inverse_mass_matrix, num_integration_steps, step_size_jitter: Tensor | None = None,
+               trajectory_jitter: bool = False):
         batch = chain_axes(state.energy, key)
         x = state.position
         h = per_chain("step_size", step_size, batch, x)
-        metric = euclidean(inverse_mass_matrix, x)
-        keys = fr.split(key)
+        metric = euclidean(inverse_mass_matrix, x, len(batch))
+        jitter = step_size_jitter is not None or trajectory_jitter
+        keys = fr.split(key, 4 if jitter else 2)
+        if step_size_jitter is not None:
+            j = per_chain("step_size_jitter", step_size_jitter, batch, x)
+            u = fr.uniform(keys[..., 2, :], (), x.dtype).reshape(batch + (1,) * (x.ndim - len(batch)))
+            h = h * (1.0 + j * (2.0 * u - 1.0))
         p0 = metric.sample_momentum(keys[..., 0, :], x)
         vg = over_batch(value_and_grad(energy_fn), len(batch))
-        end = IntegratorState(x, p0, state.energy, state.grad)
-        for _ in range(num_integration_steps):
-            end = integrate(end, h, vg, metric.velocity, integrator)
+        start = IntegratorState(x, p0, state.energy, state.grad)
+        static = isinstance(num_integration_steps, int) and not trajectory_jitter
+        if static:
+            end = start
+            for _ in range(num_integration_steps):
+                end = integrate(end, h, vg, metric.velocity, integrator)
+            n = torch.full(batch, num_integration_steps, dtype=torch.int64, device=x.device)
+        else:
+            n = _lengths(num_integration_steps, batch, x.device)
+            if trajectory_jitter:
+                u = fr.uniform(keys[..., 3, :], (), torch.float64)
+                n = torch.ceil(u.to(n.device) * n).to(torch.int64).clamp_min(1)
+            end = _masked_trajectory(start, n, h, vg, metric.velocity, integrator, len(batch))
         h0 = state.energy + metric.kinetic_energy(p0)
         h1 = end.energy + metric.kinetic_energy(end.momentum)
         finite = h1.isfinite() & event_all(end.grad.isfinite() & end.position.isfinite(), len(batch))
@@ -91,9 +117,38 @@ def build_kernel(
         ok = finite & (error <= divergence_threshold)
         decision = metropolis_hastings(keys[..., 1, :], -error, ok)
         new = select(decision.is_accepted, HMCState(end.position, end.energy, end.grad), state)
-        return HMCState(*new), HMCInfo(decision.acceptance_rate, decision.is_accepted, decision.is_divergent, error)
+        info = HMCInfo(decision.acceptance_rate, decision.is_accepted, decision.is_divergent, error, n)
+        return HMCState(*new), info
 
     return kernel
+
+
+def _lengths(num_integration_steps, batch: tuple[int, ...], device: torch.device) -> Tensor:
+    """Per-chain trajectory lengths ``batch`` (int64) from an int or an integer tensor."""
+    if isinstance(num_integration_steps, int):
+        return torch.full(batch, num_integration_steps, dtype=torch.int64, device=device)
+    _checks.check_tunable_shape("num_integration_steps", num_integration_steps, batch)
+    n = num_integration_steps.to(dtype=torch.int64, device=device)
+    return n.reshape(tuple(n.shape) + (1,) * (len(batch) - n.ndim)).expand(batch)
+
+
+def _masked_trajectory(start: IntegratorState, n: Tensor, h: Tensor, vg, velocity, integrator, n_batch: int):
+    """``n[c]`` integrator steps for chain ``c``: a ``while_loop`` until the longest is done, each
+    chain frozen (``torch.where``) after its own length."""
+
+    def cond(i, n, x, p, e, g):
+        return (i < n).any()
+
+    def body(i, n, x, p, e, g):
+        nx, np_, ne, ng = integrate(IntegratorState(x, p, e, g), h, vg, velocity, integrator)
+        active = i < n
+        wide = active.reshape(active.shape + (1,) * (x.ndim - n_batch))
+        return (i + 1, n.clone(), torch.where(wide, nx, x), torch.where(wide, np_, p),
+                torch.where(active, ne, e), torch.where(wide, ng, g))
+
+    i0 = torch.zeros_like(n)
+    _, _, x, p, e, g = while_loop(cond, body, (i0, n, *start))
+    return IntegratorState(x, p, e, g)
 
 
 _kernels: dict = {}
@@ -111,23 +166,30 @@ def _kernel_for(integrator: tuple[float, ...], divergence_threshold: float):
 def hmc(
     energy_fn: Callable[[Tensor], Tensor],
     step_size: float | Tensor,
-    inverse_mass_matrix: Tensor | None = None,
-    num_integration_steps: int = 10,
+    inverse_mass_matrix: InverseMassMatrix | None = None,
+    num_integration_steps: int | Tensor = 10,
     *,
     integrator: tuple[float, ...] = velocity_verlet,
     divergence_threshold: float = 1000.0,
+    step_size_jitter: float | Tensor | None = None,
+    trajectory_jitter: bool = False,
 ) -> SamplingAlgorithm:
     """HMC targeting ``p(x) ∝ exp(-E(x))`` with ``num_integration_steps`` steps of ``integrator``.
 
     ``step_size``: a number or a tensor, 0-dim or one per chain. ``inverse_mass_matrix``:
-    ``(d,)`` diagonal or ``(d, d)`` dense (``None``: the identity, for any d). A proposal whose
-    energy error exceeds ``divergence_threshold`` or is not finite is rejected and flagged.
+    diagonal ``(d,)`` / ``(*chains, d)`` or dense ``(d, d)`` / ``(*chains, d, d)`` (``None``: the
+    identity, for any d); see :mod:`fnebm.integrators.metrics`. ``num_integration_steps``: a
+    Python int (unrolled: fastest), or an integer tensor, 0-dim or per chain (one graph for every
+    length). ``step_size_jitter``: a fraction ``j`` in [0, 1): each chain's step size drawn in
+    ``h (1 ± j)`` every iteration. ``trajectory_jitter``: each chain's length drawn uniformly in
+    ``{1, ..., L}`` every iteration. A proposal whose energy error exceeds
+    ``divergence_threshold`` or is not finite is rejected and flagged.
     Returns ``SamplingAlgorithm(init, step)``: ``init(position: (d,)) -> HMCState`` for one
     chain, ``step(state, keys: (*chains, 2)) -> (HMCState, HMCInfo)``.
     """
     check_energy(energy_fn)
     step_size = _checks.tunable("step_size", step_size)
-    num_integration_steps = _checks.check_int("num_integration_steps", num_integration_steps, 1)
+    num_integration_steps = _check_lengths(num_integration_steps)
     threshold = _checks.check_real("divergence_threshold", divergence_threshold)
     if not threshold > 0:
         raise ValueError(f"divergence_threshold must be > 0, got {threshold}")
@@ -136,32 +198,35 @@ def hmc(
         raise ValueError(f"integrator must be a palindrome of odd length (e.g. fnebm.integrators.velocity_verlet), "
                          f"got {integrator}")
     if inverse_mass_matrix is not None:
-        inverse_mass_matrix = _check_inverse_mass_matrix(inverse_mass_matrix)
+        inverse_mass_matrix = check_inverse_mass_matrix(inverse_mass_matrix)
+    if step_size_jitter is not None:
+        step_size_jitter = _checks.tunable("step_size_jitter", step_size_jitter, allow_zero=True)
+        if _checks.is_concrete(step_size_jitter) and not bool((step_size_jitter < 1).all()):
+            raise ValueError("step_size_jitter must be < 1 (a fraction of the step size)")
+    if not isinstance(trajectory_jitter, bool):
+        raise TypeError(f"trajectory_jitter must be a bool, got {type(trajectory_jitter).__name__}")
     kernel = _kernel_for(coefficients, threshold)
+    extra = dict(num_integration_steps=num_integration_steps, step_size_jitter=step_size_jitter,
+                 trajectory_jitter=trajectory_jitter)
     if inverse_mass_matrix is None:
-        step = functools.partial(_identity_metric, kernel, energy_fn=energy_fn, step_size=step_size,
-                                 num_integration_steps=num_integration_steps)
+        step = functools.partial(_identity_metric, kernel, energy_fn=energy_fn, step_size=step_size, **extra)
     else:
         step = functools.partial(kernel, energy_fn=energy_fn, step_size=step_size,
-                                 inverse_mass_matrix=inverse_mass_matrix, num_integration_steps=num_integration_steps)
+                                 inverse_mass_matrix=inverse_mass_matrix, **extra)
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 
-def _identity_metric(kernel, state, key, energy_fn, step_size, num_integration_steps):
+def _identity_metric(kernel, state, key, energy_fn, step_size, **extra):
     ones = torch.ones(state.position.shape[-1], dtype=state.position.dtype, device=state.position.device)
-    return kernel(state, key, energy_fn, step_size, ones, num_integration_steps)
+    return kernel(state, key, energy_fn, step_size, ones, **extra)
 
 
-def _check_inverse_mass_matrix(m) -> Tensor:
-    if not isinstance(m, Tensor) or not m.is_floating_point():
-        raise TypeError(f"inverse_mass_matrix must be a floating tensor, (d,) or (d, d), got {type(m).__name__}")
-    if m.ndim not in (1, 2) or (m.ndim == 2 and m.shape[0] != m.shape[1]):
-        raise ValueError(f"inverse_mass_matrix must be (d,) diagonal or (d, d) dense, got shape {tuple(m.shape)}")
-    if _checks.is_concrete(m):
-        if not bool(torch.isfinite(m).all()):
-            raise ValueError("inverse_mass_matrix must be finite")
-        if m.ndim == 1 and not bool((m > 0).all()):
-            raise ValueError("inverse_mass_matrix must be > 0 everywhere (a diagonal of variances)")
-        if m.ndim == 2 and (not torch.allclose(m, m.mT) or int(torch.linalg.cholesky_ex(m).info) != 0):
-            raise ValueError("inverse_mass_matrix must be symmetric positive definite")
-    return m
+def _check_lengths(n) -> int | Tensor:
+    """A trajectory length: a Python/NumPy int >= 1, or an integer tensor (0-dim or per chain) >= 1."""
+    if isinstance(n, Tensor):
+        if n.dtype.is_floating_point or n.dtype.is_complex or n.dtype == torch.bool:
+            raise TypeError(f"num_integration_steps must be an int or an integer tensor, got dtype {n.dtype}")
+        if _checks.is_concrete(n) and n.numel() and not bool((n >= 1).all()):
+            raise ValueError("num_integration_steps must be >= 1 everywhere")
+        return n
+    return _checks.check_int("num_integration_steps", n, 1)
