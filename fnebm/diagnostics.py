@@ -6,8 +6,8 @@ and batched over every event dimension at once.
 
 Layout: ``trace: (draws, chains, *event)`` -- what ``fnebm.sample_chain`` returns; ArviZ
 and BlackJAX users hold ``(chain, draw, *shape)`` and pass ``layout="chains_draws"``
-(left at the default, a trace that looks swapped warns). Each statistic has shape ``event`` (0-dim for a ``(draws, chains)``
-trace), the trace's floating dtype and device. Work is done in float64 internally.
+(left unstated, a trace that looks swapped warns). Each statistic has shape ``event``
+(0-dim for a ``(draws, chains)`` trace), the trace's floating dtype and device. Work is done in float64 internally.
 :func:`summary_table` prints ArviZ's ``az.summary``; :func:`to_arviz` and
 :func:`to_inference_data` hand a trace and its sampler info to ArviZ.
 
@@ -230,13 +230,16 @@ _SWAP_MAX_DRAWS = 16
 _SWAP_RATIO = 4
 
 
-def _check_layout(layout: Any) -> str:
+def _check_layout(layout: Any) -> tuple[str, bool]:
+    """``(layout, stated)``: ``None`` is fnebm's layout, not stated (so checked for a swap)."""
+    if layout is None:
+        return "draws_chains", False
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(
             "layout must be 'draws_chains' (fnebm's (draws, chains, *event), the default) or "
             f"'chains_draws' (ArviZ's and BlackJAX's (chain, draw, *shape)); got {layout!r}"
         )
-    return layout
+    return layout, True
 
 
 def _looks_swapped(draws: int, chains: int) -> bool:
@@ -252,12 +255,12 @@ def _swap_hint(what: str, shape: tuple[int, ...]) -> str:
     )
 
 
-def _as_draws_chains(trace: Any, layout: Any, *, warn: bool = True, stacklevel: int = 3) -> Tensor:
+def _as_draws_chains(trace: Any, layout: Any, *, stacklevel: int = 3) -> Tensor:
     """Validate ``trace`` in ``layout`` and return it as ``(draws, chains, *event)`` (a view).
 
     ``stacklevel`` 3 points the swap warning at the caller of the public function that
     calls this directly."""
-    layout = _check_layout(layout)
+    layout, stated = _check_layout(layout)
     form = _FORMS[layout]
     if not isinstance(trace, Tensor) or not trace.is_floating_point():
         got = trace.dtype if isinstance(trace, Tensor) else type(trace).__name__
@@ -269,13 +272,13 @@ def _as_draws_chains(trace: Any, layout: Any, *, warn: bool = True, stacklevel: 
     if layout == "chains_draws":
         trace = trace.transpose(0, 1)
     draws, chains = trace.shape[:2]
-    swapped = layout == "draws_chains" and _looks_swapped(draws, chains)
+    swapped = not stated and _looks_swapped(draws, chains)
     if draws < 4:
         hint = f" ({_swap_hint('trace', tuple(trace.shape))})" if swapped else ""
         raise ValueError(f"trace must have shape {form} with draws >= 4; got {draws} draws{hint}")
     if chains < 1:
         raise ValueError(f"trace must have shape {form} with chains >= 1; got {chains} chains")
-    if swapped and warn:
+    if swapped:
         warnings.warn(_swap_hint("trace", tuple(trace.shape)), UserWarning, stacklevel=stacklevel)
     return trace
 
@@ -303,7 +306,7 @@ def _info_items(info: Any) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------- public
 
 
-def rhat(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def rhat(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Rank-normalised split-R̂ (ArviZ ``az.rhat(..., method="rank")``).
 
     Chains are split in half, the draws rank-normalised across all chains, and R̂ taken
@@ -323,7 +326,7 @@ def rhat(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     return _per_element(_as_draws_chains(trace, layout), _rhat_rank_rows)
 
 
-def ess_bulk(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def ess_bulk(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Bulk effective sample size (ArviZ ``az.ess(..., method="bulk")``): split-ESS of the
     rank-normalised draws.
 
@@ -338,7 +341,7 @@ def ess_bulk(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     return _per_element(_as_draws_chains(trace, layout), _ess_bulk_rows)
 
 
-def ess_tail(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def ess_tail(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Tail effective sample size (ArviZ ``az.ess(..., method="tail")``): the smaller
     split-ESS of the indicators ``x <= q05`` and ``x <= q95`` (type-7 quantiles over all
     chains and draws).
@@ -357,7 +360,7 @@ def _ess_mean_rows(x: Tensor) -> Tensor:
     return _ess_rows(_split_chains(x))
 
 
-def ess(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def ess(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Classic split-ESS of the draws themselves (ArviZ ``az.ess(..., method="mean")``):
     the ESS that governs the Monte Carlo error of the mean. Not rank-normalised, so it
     assumes finite variance; prefer :func:`ess_bulk` for convergence checks.
@@ -384,7 +387,7 @@ def _mcse_sd_rows(x: Tensor) -> Tensor:
     return (varvar / evar / 4).sqrt()
 
 
-def mcse_mean(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def mcse_mean(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Monte Carlo standard error of the mean (ArviZ ``az.mcse(..., method="mean")``):
     ``std(draws, ddof=1) / sqrt(ess(trace))``.
 
@@ -398,7 +401,7 @@ def mcse_mean(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
     return _per_element(_as_draws_chains(trace, layout), _mcse_mean_rows)
 
 
-def mcse_sd(trace: Tensor, *, layout: str = "draws_chains") -> Tensor:
+def mcse_sd(trace: Tensor, *, layout: str | None = None) -> Tensor:
     """Monte Carlo standard error of the standard deviation (ArviZ
     ``az.mcse(..., method="sd")``, the ``mcse_sd`` column of ``az.summary``): with
     ``d = (x - mean)**2``, ``sqrt(var(d) / ess(d) / mean(d) / 4)``, where ``var(d)`` and
@@ -464,7 +467,7 @@ def _acceptance(info: Any, layout: str, warn: bool, stacklevel: int) -> dict[str
     return out
 
 
-def acceptance_summary(info: Any, *, layout: str = "draws_chains") -> dict[str, Any]:
+def acceptance_summary(info: Any, *, layout: str | None = None) -> dict[str, Any]:
     """Acceptance, divergence and trajectory statistics from a sampler's per-step ``info``.
 
     Args:
@@ -483,7 +486,8 @@ def acceptance_summary(info: Any, *, layout: str = "draws_chains") -> dict[str, 
         float64), ``n_divergent`` (int), ``divergent_fraction`` (0-dim float64),
         ``mean_tree_depth`` and ``mean_num_integration_steps`` (0-dim float64).
     """
-    return _acceptance(info, _check_layout(layout), warn=True, stacklevel=3)
+    layout, stated = _check_layout(layout)
+    return _acceptance(info, layout, warn=not stated, stacklevel=3)
 
 
 def _stats(trace: Tensor) -> dict[str, Tensor]:
@@ -499,7 +503,7 @@ def _stats(trace: Tensor) -> dict[str, Tensor]:
     }
 
 
-def summary(trace: Tensor, info: Any = None, *, layout: str = "draws_chains") -> dict[str, Any]:
+def summary(trace: Tensor, info: Any = None, *, layout: str | None = None) -> dict[str, Any]:
     """Posterior summary of a trace, ArviZ ``az.summary``'s diagnostic columns.
 
     Args:
@@ -516,7 +520,7 @@ def summary(trace: Tensor, info: Any = None, *, layout: str = "draws_chains") ->
     trace = _as_draws_chains(trace, layout)
     out: dict[str, Any] = _stats(trace)
     if info is not None:  # the trace was checked for a swap; one warning is enough
-        out.update(_acceptance(info, layout, warn=False, stacklevel=3))
+        out.update(_acceptance(info, _check_layout(layout)[0], warn=False, stacklevel=3))
     return out
 
 
@@ -586,7 +590,7 @@ def summary_table(
     trace: Tensor,
     info: Any = None,
     *,
-    layout: str = "draws_chains",
+    layout: str | None = None,
     var_name: str = "x",
     names: Sequence[str] | None = None,
 ) -> SummaryTable:
@@ -624,7 +628,7 @@ def summary_table(
     values = torch.stack([stats[k].reshape(-1).to("cpu", _F64) for k in _KEYS], dim=-1)
     sampler: dict[str, float | int] = {}
     if info is not None:
-        acc = _acceptance(info, layout, warn=False, stacklevel=3)
+        acc = _acceptance(info, _check_layout(layout)[0], warn=False, stacklevel=3)
         acc.pop("per_chain_acceptance_rate", None)
         sampler = {k: v if isinstance(v, int) else float(v) for k, v in acc.items()}
     return SummaryTable(labels, _COLUMNS, values, sampler)
@@ -679,7 +683,7 @@ def _arviz_dict(trace: Tensor, info: Any, layout: str, var_name: Any) -> dict[st
 
 
 def to_arviz(
-    trace: Tensor, info: Any = None, *, layout: str = "draws_chains", var_name: str = "x"
+    trace: Tensor, info: Any = None, *, layout: str | None = None, var_name: str = "x"
 ) -> dict[str, dict[str, Any]]:
     """The trace (and info) as ``arviz.from_dict``'s keyword arguments; ArviZ not needed.
 
@@ -703,11 +707,11 @@ def to_arviz(
         ``info`` has tensor fields.
     """
     trace = _as_draws_chains(trace, layout)
-    return _arviz_dict(trace, info, layout, var_name)
+    return _arviz_dict(trace, info, _check_layout(layout)[0], var_name)
 
 
 def to_inference_data(
-    trace: Tensor, info: Any = None, *, layout: str = "draws_chains", var_name: str = "x"
+    trace: Tensor, info: Any = None, *, layout: str | None = None, var_name: str = "x"
 ) -> Any:
     """:func:`to_arviz` made into an ``arviz.InferenceData`` (needs ``pip install arviz``).
 
@@ -715,7 +719,7 @@ def to_inference_data(
     run of many short chains triggers) is silenced.
     """
     trace = _as_draws_chains(trace, layout)
-    kwargs = _arviz_dict(trace, info, layout, var_name)
+    kwargs = _arviz_dict(trace, info, _check_layout(layout)[0], var_name)
     try:
         import arviz as az
     except ImportError as e:

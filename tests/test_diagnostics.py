@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
 from fractions import Fraction
 from typing import NamedTuple
@@ -208,7 +209,9 @@ def _negative_ar(rng):
 
 
 def _sign(rng):
-    return np.sign(rng.normal(size=(60, 2)))  # folded draws are constant: tail R-hat is NaN
+    # +-1 draws: the median is one of the two values, so the folded draws |x - median| are
+    # {0, 2}, a relabelling of x (tail R-hat = bulk R-hat); constant only for an even split.
+    return np.sign(rng.normal(size=(60, 2)))
 
 
 def _one_chain(rng):
@@ -444,3 +447,287 @@ def test_follows_cuda_device():
         out = f(trace.cuda())
         assert out.device.type == "cuda", name
         torch.testing.assert_close(out.cpu(), f(trace), rtol=1e-9, atol=0)
+
+
+def test_sign_case_folds_to_two_values():
+    # what the _sign case exercises: folded draws that are not constant but take two values
+    x = dg._split_chains(dg._rows(torch.from_numpy(_sign(np.random.default_rng(2021)))))
+    z, s = dg._z_scale(x)
+    folded = (x - dg._median(s)[:, None, None]).abs()
+    assert folded.unique().tolist() == [0.0, 2.0]
+    torch.testing.assert_close(dg._rhat_rows(dg._z_scale(folded)[0]), dg._rhat_rows(z))
+
+
+# ------------------------------------------------------------------ layout (issue 8)
+
+PUBLIC = [dg.rhat, dg.ess_bulk, dg.ess_tail, dg.ess, dg.mcse_mean, dg.mcse_sd, dg.summary,
+          dg.summary_table, dg.to_arviz]
+
+
+def _arviz_style(rng, chains=4, draws=1000):
+    """A ``(chains, draws, 2)`` array as ArviZ and BlackJAX hold it, unit stationary
+    variance: element 0 mixes badly (AR(1), phi 0.999, from starts 3 sd apart), element 1
+    well (phi 0.9)."""
+    x = np.empty((chains, draws, 2))
+    for i, phi in enumerate((0.999, 0.9)):
+        x[:, :, i] = ar1(rng, draws, chains, phi).T * np.sqrt(1 - phi**2)
+    x[:, :, 0] += 3.0 * rng.normal(size=(chains, 1)) * 0.999 ** np.arange(draws)  # the starts decay
+    return x
+
+
+def test_chains_draws_layout_gives_arviz_numbers():
+    # The issue: an ArviZ/BlackJAX user's (chains, draws, dim) array. Stated as such, fnebm
+    # gives ArviZ's numbers (for every statistic); read as fnebm's layout, it would not.
+    x = _arviz_style(np.random.default_rng(8))
+    trace = torch.from_numpy(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stating the layout never warns
+        for name, (f, ref) in STATS.items():
+            ours = f(trace, layout="chains_draws")
+            expected = [float(ref(x[:, :, i])) for i in range(2)]
+            np.testing.assert_allclose(ours.numpy(), expected, rtol=RTOL, err_msg=name)
+            # the same as moving the axes by hand
+            torch.testing.assert_close(ours, f(trace.transpose(0, 1)), rtol=0, atol=0)
+    assert dg.rhat(trace, layout="chains_draws")[0] > 1.3  # the bad mixing shows
+    assert dg.ess_bulk(trace, layout="chains_draws")[0] < 50
+    with pytest.warns(UserWarning):  # read as (draws, chains): it hides
+        assert dg.ess_bulk(trace)[0] > 10_000
+
+
+@pytest.mark.parametrize("fn", PUBLIC, ids=lambda f: f.__name__)
+def test_default_layout_warns_when_it_looks_swapped(fn):
+    trace = torch.from_numpy(_arviz_style(np.random.default_rng(8)))  # (4, 1000, 2)
+    with pytest.warns(UserWarning, match=r"\(4, 1000, 2\).*layout='chains_draws'") as record:
+        fn(trace)
+    assert len(record) == 1  # once, even for summary's many statistics
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn(trace, layout="draws_chains")  # stating the layout (either way) silences it
+        fn(trace, layout="chains_draws")
+
+
+@pytest.mark.parametrize(
+    "shape", [(1000, 4), (200, 1024), (100, 4096), (20, 64), (17, 1000), (16, 63), (8, 2), (4, 1)]
+)
+def test_default_layout_does_not_warn_on_common_shapes(shape):
+    trace = torch.from_numpy(np.random.default_rng(1).normal(size=shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dg.ess_bulk(trace)
+
+
+def test_swap_heuristic_edges():
+    assert dg._looks_swapped(4, 1000) and dg._looks_swapped(16, 64) and dg._looks_swapped(8, 32)
+    assert not dg._looks_swapped(17, 10_000) and not dg._looks_swapped(16, 63)
+    assert not dg._looks_swapped(1000, 4) and not dg._looks_swapped(200, 1024)
+
+
+def test_too_few_draws_suggests_the_layout():
+    trace = torch.zeros(2, 1000, 3)  # ArviZ: 2 chains of 1000 draws
+    with pytest.raises(ValueError, match=r"draws >= 4.*layout='chains_draws'"):
+        dg.rhat(trace)
+    assert dg.rhat(trace, layout="chains_draws").shape == (3,)
+    with pytest.raises(ValueError, match=r"trace.*\(chains, draws, \*event\).*draws >= 4"):
+        dg.rhat(torch.zeros(1000, 2), layout="chains_draws")
+    with pytest.raises(ValueError, match=r"trace.*\(chains, draws, \*event\).*chains >= 1"):
+        dg.rhat(torch.zeros(0, 10), layout="chains_draws")
+
+
+@pytest.mark.parametrize("fn", [*PUBLIC, dg.to_inference_data], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("layout", ["chains", "ChainsDraws", "", 0, ("draws", "chains")])
+def test_bad_layout(fn, layout):
+    with pytest.raises(ValueError, match=r"layout must be 'draws_chains'.*'chains_draws'"):
+        fn(torch.zeros(10, 2), layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["chains", 1])
+def test_acceptance_summary_bad_layout(layout):
+    with pytest.raises(ValueError, match="layout"):
+        dg.acceptance_summary(_RateOnly(torch.zeros(5, 2)), layout=layout)
+
+
+# ------------------------------------------------- NUTS/HMC statistics in the summary
+
+
+class _NUTSInfo(NamedTuple):
+    acceptance_rate: torch.Tensor
+    is_divergent: torch.Tensor
+    tree_depth: torch.Tensor
+    num_integration_steps: torch.Tensor
+    energy: torch.Tensor
+
+
+def _nuts_info(draws=6, chains=2):
+    steps = torch.arange(draws * chains).reshape(draws, chains) % 7 + 1
+    return _NUTSInfo(
+        acceptance_rate=torch.linspace(0, 1, draws * chains, dtype=torch.float64).reshape(draws, chains),
+        is_divergent=(torch.arange(draws * chains).reshape(draws, chains) % 4) == 0,
+        tree_depth=torch.ceil(torch.log2(steps + 1.0)).to(torch.int32),
+        num_integration_steps=steps,
+        energy=torch.arange(draws * chains, dtype=torch.float32).reshape(draws, chains),
+    )
+
+
+def test_acceptance_summary_reports_nuts_fields():
+    info = _nuts_info()
+    out = dg.acceptance_summary(info)
+    assert out["n_divergent"] == 3 and out["divergent_fraction"].item() == 0.25
+    assert out["mean_tree_depth"].dtype == torch.float64
+    assert out["mean_tree_depth"].item() == info.tree_depth.double().mean().item()
+    assert out["mean_num_integration_steps"].item() == info.num_integration_steps.double().mean().item()
+    assert out["mean_acceptance_rate"].item() == 0.5
+    # (chains, draws) fields, stated, give the same numbers
+    flipped = _NUTSInfo(*(f.T for f in info))
+    again = dg.acceptance_summary(flipped, layout="chains_draws")
+    assert set(again) == set(out)
+    for key in out:
+        torch.testing.assert_close(torch.as_tensor(again[key]), torch.as_tensor(out[key]))
+    # a mapping works as well as a NamedTuple
+    assert dg.acceptance_summary(info._asdict())["n_divergent"] == 3
+
+
+def test_acceptance_summary_without_nuts_fields():
+    # an MH info without tree depth or integration step counts: those keys are left out
+    info = _Info(torch.full((5, 2), 0.8), torch.ones(5, 2, dtype=torch.bool),
+                 torch.zeros(5, 2, dtype=torch.bool))
+    out = dg.acceptance_summary(info)
+    assert "mean_tree_depth" not in out and "mean_num_integration_steps" not in out
+    assert out["n_divergent"] == 0 and out["accepted_fraction"].item() == 1.0
+
+
+def test_acceptance_summary_warns_on_swapped_info():
+    info = _RateOnly(torch.full((4, 1000), 0.5))  # (chains, draws)
+    with pytest.warns(UserWarning, match=r"info.acceptance_rate.*layout='chains_draws'") as rec:
+        out = dg.acceptance_summary(info)
+    assert rec[0].filename == __file__ and out["per_chain_acceptance_rate"].shape == (1000,)
+    out = dg.acceptance_summary(info, layout="chains_draws")
+    assert out["per_chain_acceptance_rate"].shape == (4,)
+
+
+def test_summary_with_nuts_info_and_layout():
+    x = np.random.default_rng(7).normal(size=(6, 3, 2))
+    info = _nuts_info(6, 3)
+    out = dg.summary(torch.from_numpy(x), info)
+    flipped = dg.summary(torch.from_numpy(x).transpose(0, 1), _NUTSInfo(*(f.T for f in info)),
+                         layout="chains_draws")
+    assert set(out) == set(flipped) >= {"mcse_mean", "mcse_sd", "n_divergent", "mean_tree_depth"}
+    for key in out:
+        torch.testing.assert_close(torch.as_tensor(flipped[key]), torch.as_tensor(out[key]),
+                                   rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- ArviZ export, table
+
+
+def _nuts_run(rng, draws=200, chains=4, event=(2,)):
+    trace = torch.from_numpy(rng.normal(size=(draws, chains, *event)))
+    trace[:, 1] += 0.5  # one chain off: R-hat above 1.01
+    return trace, _nuts_info(draws, chains)
+
+
+def test_to_arviz_dict():
+    trace, info = _nuts_run(np.random.default_rng(0))
+    d = dg.to_arviz(trace, info, var_name="theta")
+    assert set(d) == {"posterior", "sample_stats"}
+    np.testing.assert_array_equal(d["posterior"]["theta"], trace.numpy().transpose(1, 0, 2))
+    assert set(d["sample_stats"]) == {"acceptance_rate", "diverging", "tree_depth", "n_steps", "energy"}
+    assert d["sample_stats"]["diverging"].dtype == np.bool_
+    for name, field in zip(("acceptance_rate", "diverging", "tree_depth", "n_steps", "energy"), info):
+        np.testing.assert_array_equal(d["sample_stats"][name], field.numpy().T)
+    assert set(dg.to_arviz(trace)) == {"posterior"}
+    # (chains, draws) in, stated: the same dict
+    again = dg.to_arviz(trace.transpose(0, 1), _NUTSInfo(*(f.T for f in info)),
+                        layout="chains_draws", var_name="theta")
+    for group in d:
+        for name in d[group]:
+            np.testing.assert_array_equal(again[group][name], d[group][name])
+
+
+def test_to_arviz_skips_non_tensors_and_checks_shapes():
+    trace = torch.zeros(10, 3)
+    info = {"acceptance_rate": torch.ones(10, 3), "nested": (torch.ones(10, 3),), "none": None}
+    assert set(dg.to_arviz(trace, info)["sample_stats"]) == {"acceptance_rate"}
+    with pytest.raises(ValueError, match=r"info.acceptance_rate.*\(10, 3\)"):
+        dg.to_arviz(trace, {"acceptance_rate": torch.ones(9, 3)})
+    with pytest.raises(TypeError, match="info must be"):
+        dg.to_arviz(trace, [torch.ones(10, 3)])
+    with pytest.raises(TypeError, match="var_name"):
+        dg.to_arviz(trace, var_name="")
+    # bfloat16 has no NumPy dtype: exported as float32
+    assert dg.to_arviz(trace.bfloat16())["posterior"]["x"].dtype == np.float32
+
+
+def test_to_inference_data_agrees_with_arviz_summary():
+    trace, info = _nuts_run(np.random.default_rng(1), event=(2, 3))
+    idata = dg.to_inference_data(trace, info, var_name="theta")
+    assert dict(idata.posterior.sizes) == {"chain": 4, "draw": 200, "theta_dim_0": 2, "theta_dim_1": 3}
+    assert idata.sample_stats["diverging"].dims == ("chain", "draw")
+    assert int(idata.sample_stats["diverging"].sum()) == dg.acceptance_summary(info)["n_divergent"]
+    ref = az.summary(idata, kind="diagnostics", round_to="none")
+    ref_stats = az.summary(idata, kind="stats", round_to="none")
+    table = dg.summary_table(trace, info, var_name="theta")
+    assert list(ref.index) == list(table.names) and table.names[4] == "theta[1, 1]"
+    ours = table.to_pandas()
+    for col in ("mcse_mean", "mcse_sd", "ess_bulk", "ess_tail", "r_hat"):
+        np.testing.assert_allclose(ours[col], ref[col], rtol=1e-9, err_msg=col)
+    for col in ("mean", "sd"):
+        np.testing.assert_allclose(ours[col], ref_stats[col], rtol=1e-9, err_msg=col)
+    assert (ours["r_hat"] > 1.01).all()
+
+
+def test_to_inference_data_with_many_short_chains_is_quiet():
+    # fnebm's many short chains: ArviZ's "more chains than draws" warning is silenced, the
+    # layout being stated
+    trace = torch.from_numpy(np.random.default_rng(2).normal(size=(20, 64)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        idata = dg.to_inference_data(trace)
+    assert dict(idata.posterior.sizes) == {"chain": 64, "draw": 20}
+
+
+def test_to_inference_data_without_arviz(monkeypatch):
+    monkeypatch.setitem(sys.modules, "arviz", None)  # import arviz now raises ImportError
+    with pytest.raises(ImportError, match="pip install arviz"):
+        dg.to_inference_data(torch.zeros(10, 2))
+    assert dg.to_arviz(torch.zeros(10, 2))["posterior"]["x"].shape == (2, 10)
+
+
+def test_summary_table_prints_like_arviz():
+    trace, info = _nuts_run(np.random.default_rng(3))
+    table = dg.summary_table(trace, info)
+    text = str(table)
+    assert repr(table) == text
+    lines = text.splitlines()
+    assert lines[0].split() == ["mean", "sd", "mcse_mean", "mcse_sd", "ess_bulk", "ess_tail", "r_hat"]
+    # the rows are ArviZ's rounded numbers: 3 decimals, ESS whole, R-hat 2 decimals
+    ref = az.summary(dg.to_inference_data(trace), round_to=None)
+    ref = ref[["mean", "sd", "mcse_mean", "mcse_sd", "ess_bulk", "ess_tail", "r_hat"]]
+    for line, (name, row) in zip(lines[1:3], ref.iterrows()):
+        cells = line.split()
+        assert cells[0] == name
+        np.testing.assert_array_equal(np.array(cells[1:], dtype=float), row.to_numpy())
+    assert lines[3] == "divergences: 200 (25.00%)"
+    assert lines[4] == "mean acceptance rate: 0.500"
+    assert lines[5].startswith("mean tree depth: ") and lines[6].startswith("mean integration steps: ")
+    assert table.sampler["n_divergent"] == 200 and isinstance(table.sampler["mean_tree_depth"], float)
+    assert table.values.shape == (2, 7) and table.values.dtype == torch.float64
+
+
+def test_summary_table_names_and_scalar_event():
+    trace = torch.from_numpy(np.random.default_rng(4).normal(size=(50, 2)))
+    table = dg.summary_table(trace)
+    assert table.names == ("x",) and table.sampler == {}
+    assert len(str(table).splitlines()) == 2
+    named = dg.summary_table(torch.stack([trace, trace], -1), names=["a", "bb"])
+    assert named.names == ("a", "bb") and str(named).splitlines()[2].startswith("bb ")
+    with pytest.raises(ValueError, match=r"names.*one label per event element \(2"):
+        dg.summary_table(torch.stack([trace, trace], -1), names=["a"])
+    with pytest.raises(TypeError, match="names"):
+        dg.summary_table(trace, names="x")
+    with pytest.raises(TypeError, match="var_name"):
+        dg.summary_table(trace, var_name=3)
+    # NaN stays visible
+    bad = trace.clone()
+    bad[3, 1] = float("nan")
+    assert "nan" in str(dg.summary_table(bad))
