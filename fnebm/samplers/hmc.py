@@ -29,7 +29,7 @@ from fnebm.samplers.base import (
 )
 from fnebm.samplers.proposal import metropolis_hastings, select
 
-__all__ = ["HMCState", "HMCInfo", "init", "build_kernel", "hmc"]
+__all__ = ["HMCState", "HMCInfo", "init", "build_kernel", "build_transition", "hmc"]
 
 
 class HMCState(NamedTuple):
@@ -81,10 +81,29 @@ def build_kernel(
     length is drawn uniformly in ``{1, ..., L}`` at every iteration (mean ``(L + 1) / 2``).
     ``integrator``: coefficients from :mod:`fnebm.integrators.symplectic`.
     """
+    transition = build_transition(integrator, divergence_threshold)
 
     def kernel(state: HMCState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
                inverse_mass_matrix, num_integration_steps, step_size_jitter: Tensor | None = None,
                trajectory_jitter: bool = False):
+        new, info, _ = transition(state, key, energy_fn, step_size, inverse_mass_matrix, num_integration_steps,
+                                  step_size_jitter, trajectory_jitter)
+        return new, info
+
+    return kernel
+
+
+def build_transition(
+    integrator: tuple[float, ...] = velocity_verlet, divergence_threshold: float = 1000.0
+) -> Callable[..., tuple[HMCState, HMCInfo, IntegratorState]]:
+    """The kernel's work, also returning the proposal: ``transition(...) -> (state, info, proposal)``
+    with the kernel's arguments. ``proposal`` is the trajectory's end (position, momentum,
+    energy, gradient) before accept/reject, which adaptation schemes learn from
+    (:mod:`fnebm.adaptation.chees`)."""
+
+    def transition(state: HMCState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
+                   inverse_mass_matrix, num_integration_steps, step_size_jitter: Tensor | None = None,
+                   trajectory_jitter: bool = False):
         batch = chain_axes(state.energy, key)
         x = state.position
         h = per_chain("step_size", step_size, batch, x)
@@ -118,9 +137,9 @@ def build_kernel(
         decision = metropolis_hastings(keys[..., 1, :], -error, ok)
         new = select(decision.is_accepted, HMCState(end.position, end.energy, end.grad), state)
         info = HMCInfo(decision.acceptance_rate, decision.is_accepted, decision.is_divergent, error, n)
-        return HMCState(*new), info
+        return HMCState(*new), info, end
 
-    return kernel
+    return transition
 
 
 def _lengths(num_integration_steps, batch: tuple[int, ...], device: torch.device) -> Tensor:
