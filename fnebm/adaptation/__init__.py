@@ -1,0 +1,24 @@
+"""Adaptation: tuning a sampler's parameters during warm-up, as pure ``(init, update, final)`` triples.
+
+* :mod:`fnebm.adaptation.step_size` — dual averaging of the step size towards a target
+  acceptance statistic (:func:`dual_averaging`);
+* :mod:`fnebm.adaptation.mass_matrix` — Welford's covariance, diagonal or dense, pooled over
+  chains or per chain (:func:`welford`);
+* :mod:`fnebm.adaptation.window` — Stan's windowed warm-up composing them on a schedule held as
+  data (:func:`window_adaptation`, :func:`build_schedule`).
+
+This layer sits above the samplers and below :mod:`fnebm.chain`: it imports the chain runner
+only inside the function that runs a warm-up.
+"""
+
+from fnebm.adaptation.mass_matrix import Welford, WelfordState, welford
+from fnebm.adaptation.step_size import DualAveraging, DualAveragingState, dual_averaging
+
+__all__ = [
+    "dual_averaging",
+    "DualAveraging",
+    "DualAveragingState",
+    "welford",
+    "Welford",
+    "WelfordState",
+]
