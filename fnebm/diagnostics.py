@@ -685,10 +685,11 @@ def _arviz_dict(trace: Tensor, info: Any, layout: str, var_name: Any) -> dict[st
 def to_arviz(
     trace: Tensor, info: Any = None, *, layout: str | None = None, var_name: str = "x"
 ) -> dict[str, dict[str, Any]]:
-    """The trace (and info) as ``arviz.from_dict``'s keyword arguments; ArviZ not needed.
+    """The trace (and info) as ArviZ's groups, ``{group: {variable: array}}``; ArviZ not needed.
 
-    ``az.from_dict(**to_arviz(trace, info))`` is the ``InferenceData``
-    (:func:`to_inference_data` does that).
+    ``az.from_dict(**to_arviz(trace, info))`` is the ``InferenceData`` in ArviZ 0.x,
+    ``az.from_dict(to_arviz(trace, info))`` in ArviZ 1.x (:func:`to_inference_data` does
+    whichever the installed ArviZ takes).
 
     Args:
         trace: ``(draws, chains, *event)`` floating tensor, ``draws >= 4``.
@@ -713,13 +714,14 @@ def to_arviz(
 def to_inference_data(
     trace: Tensor, info: Any = None, *, layout: str | None = None, var_name: str = "x"
 ) -> Any:
-    """:func:`to_arviz` made into an ``arviz.InferenceData`` (needs ``pip install arviz``).
+    """:func:`to_arviz` handed to ``arviz.from_dict`` (needs ``pip install arviz``): an
+    ``InferenceData`` (ArviZ 0.x; a ``DataTree`` in ArviZ 1.x).
 
-    The layout is stated here, so ArviZ's own "more chains than draws" warning (which a
+    The layout is known here, so ArviZ's own "more chains than draws" warning (which a
     run of many short chains triggers) is silenced.
     """
     trace = _as_draws_chains(trace, layout)
-    kwargs = _arviz_dict(trace, info, _check_layout(layout)[0], var_name)
+    groups = _arviz_dict(trace, info, _check_layout(layout)[0], var_name)
     try:
         import arviz as az
     except ImportError as e:
@@ -729,4 +731,6 @@ def to_inference_data(
         ) from e
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="More chains", category=UserWarning)
-        return az.from_dict(**kwargs)
+        if int(str(az.__version__).split(".")[0]) >= 1:  # 1.x: from_dict({group: {...}})
+            return az.from_dict(groups)
+        return az.from_dict(**groups)

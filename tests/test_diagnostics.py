@@ -731,3 +731,15 @@ def test_summary_table_names_and_scalar_event():
     bad = trace.clone()
     bad[3, 1] = float("nan")
     assert "nan" in str(dg.summary_table(bad))
+
+
+def test_to_inference_data_calls_arviz_1x_with_the_groups(monkeypatch):
+    # ArviZ 1.x takes from_dict({group: {variable: array}}), 0.x from_dict(**groups)
+    calls = []
+    monkeypatch.setattr(az, "__version__", "1.2.0")
+    monkeypatch.setattr(az, "from_dict", lambda *a, **kw: calls.append((a, kw)) or "tree")
+    trace = torch.zeros(10, 2)
+    assert dg.to_inference_data(trace, {"is_divergent": torch.zeros(10, 2, dtype=torch.bool)}) == "tree"
+    (args, kwargs), = calls
+    assert kwargs == {} and set(args[0]) == {"posterior", "sample_stats"}
+    assert args[0]["sample_stats"]["diverging"].shape == (2, 10)
