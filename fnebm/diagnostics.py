@@ -255,11 +255,11 @@ def _swap_hint(what: str, shape: tuple[int, ...]) -> str:
     )
 
 
-def _as_draws_chains(trace: Any, layout: Any, *, stacklevel: int = 3) -> Tensor:
+def _as_draws_chains(trace: Any, layout: Any) -> Tensor:
     """Validate ``trace`` in ``layout`` and return it as ``(draws, chains, *event)`` (a view).
 
-    ``stacklevel`` 3 points the swap warning at the caller of the public function that
-    calls this directly."""
+    Public functions call this themselves, first, so that the swap warning's stack level 3
+    points at their caller."""
     layout, stated = _check_layout(layout)
     form = _FORMS[layout]
     if not isinstance(trace, Tensor) or not trace.is_floating_point():
@@ -279,7 +279,7 @@ def _as_draws_chains(trace: Any, layout: Any, *, stacklevel: int = 3) -> Tensor:
     if chains < 1:
         raise ValueError(f"trace must have shape {form} with chains >= 1; got {chains} chains")
     if swapped:
-        warnings.warn(_swap_hint("trace", tuple(trace.shape)), UserWarning, stacklevel=stacklevel)
+        warnings.warn(_swap_hint("trace", tuple(trace.shape)), UserWarning, stacklevel=3)
     return trace
 
 

@@ -743,3 +743,22 @@ def test_to_inference_data_calls_arviz_1x_with_the_groups(monkeypatch):
     (args, kwargs), = calls
     assert kwargs == {} and set(args[0]) == {"posterior", "sample_stats"}
     assert args[0]["sample_stats"]["diverging"].shape == (2, 10)
+
+
+def test_real_hmc_run_reports_integration_steps():
+    # an fnebm HMC run end to end: info fields straight from sample_chain (eager)
+    import fnebm
+    from fnebm import energies, random as fr
+
+    alg = fnebm.hmc(energies.gaussian(torch.zeros(2)), 0.3, num_integration_steps=5)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (4, 2)))
+    _, trace, info = fnebm.sample_chain(alg.step, state, fr.key(1), 40, compile=False, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (40, 4): no swap warning
+        out = dg.summary(trace, info)
+        d = dg.to_arviz(trace, info)
+    assert out["mean_num_integration_steps"].item() == 5.0 and "mean_tree_depth" not in out
+    assert out["n_divergent"] == 0 and 0 < out["mean_acceptance_rate"].item() <= 1
+    assert {"n_steps", "diverging", "energy_error", "acceptance_rate"} <= set(d["sample_stats"])
+    assert d["sample_stats"]["n_steps"].shape == (4, 40) and d["posterior"]["x"].shape == (4, 40, 2)
+    assert "mean integration steps: 5.000" in str(dg.summary_table(trace, info))
