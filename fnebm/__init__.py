@@ -8,7 +8,7 @@ samplers are ``SamplingAlgorithm(init, step)`` pairs (:mod:`fnebm.samplers`), an
 from fnebm import chain, diagnostics, energies, integrators, random, samplers
 from fnebm.chain import ChainState, sample_chain
 from fnebm.gradients import score, value_and_grad
-from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, vmap_chains
+from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains
 
 __version__ = "0.1.0"
 
@@ -28,4 +28,5 @@ __all__ = [
     "langevin",
     "mala",
     "hmc",
+    "nuts",
 ]

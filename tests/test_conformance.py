@@ -45,6 +45,11 @@ SAMPLERS: dict[str, Entry] = {
     # trajectory length as data (a while_loop under compile) and per-chain jitter
     "hmc_jittered": Entry(lambda e, step_size: fnebm.hmc(e, step_size, None, torch.tensor(4), step_size_jitter=0.3,
                                                          trajectory_jitter=True), {"step_size": 0.2}, True),
+    # NUTS: a while_loop over leapfrog steps. Not "adjusted" in the MH sense: after a divergence
+    # the proposal may be a valid earlier point of the trajectory (so neither is_accepted nor a
+    # zero acceptance_rate on divergent transitions), but it never crosses into non-finite energy
+    "nuts": Entry(lambda e, step_size: fnebm.nuts(e, step_size, torch.tensor([1.0, 0.5], dtype=F64), 4),
+                  {"step_size": 0.3}, False),
 }
 
 

@@ -5,6 +5,7 @@ from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
 from fnebm.samplers.hmc import HMCInfo, HMCState, hmc
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
 from fnebm.samplers.mala import MALAInfo, MALAState, mala
+from fnebm.samplers.nuts import NUTSInfo, NUTSState, nuts
 
 __all__ = [
     "SamplingAlgorithm",
@@ -18,4 +19,7 @@ __all__ = [
     "hmc",
     "HMCState",
     "HMCInfo",
+    "nuts",
+    "NUTSState",
+    "NUTSInfo",
 ]

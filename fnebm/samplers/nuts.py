@@ -1,0 +1,355 @@
+"""The No-U-Turn sampler: iterative NUTS with multinomial sampling and the generalised U-turn
+criterion (as BlackJAX's ``mcmc/nuts.py`` and Stan), written for many chains in lockstep.
+
+Three layers, as every sampler: :func:`init` (one chain), :func:`build_kernel` (the pure
+kernel over any chain axes, with the integrator as data) and :func:`nuts` (the constructor).
+
+**The algorithm** (per chain; BlackJAX's ``iterative_nuts_proposal``). Draw ``p ~ N(0, M)``.
+Expansion ``k = 0, 1, ...``: draw a direction, integrate a subtree of ``2^k`` steps from the
+trajectory's edge on that side, sampling a subtree proposal *uniformly* in proportion to
+``exp(-H)`` as it goes (progressive multinomial sampling). A subtree that diverges (energy error
+above ``divergence_threshold``, or anything non-finite) or turns is dropped and the tree stops.
+Otherwise the subtree's proposal replaces the tree's with probability
+``min(1, W_subtree / W_tree)`` (the *biased* progressive sampling that favours moving away),
+the subtree is merged, and the tree stops when the merged trajectory turns or after
+``max_tree_depth`` expansions.
+
+The U-turn criterion is the generalised one (Betancourt 2013): a span with end momenta
+``p-, p+``, velocities ``v = M^{-1} p`` and momentum sum ``rho`` turns when
+``v- . r <= 0`` or ``v+ . r <= 0`` with ``r = rho - (p- + p+) / 2`` (NumPyro's and BlackJAX's
+form). Every balanced sub-subtree is checked when it completes, through checkpoints of momentum
+and momentum sum indexed by bit tricks on the step number (NumPyro's ``iterative_uturn``): a
+subtree of ``2^j`` steps ending at step ``n`` of its subtree starts at checkpoint
+``popcount(n >> 1) - j + 1``. With ``uturn_extra_checks`` (default, Stan's since 2.21) each
+merge of two halves ``A | B`` also checks ``A + first(B)`` and ``last(A) + B``, inside subtrees
+(the second half's start checkpoint sits at the next index) and at the top level; it stops the
+trajectories that turn *between* the halves, which the plain criterion misses on
+near-periodic targets.
+
+**The loop: one flat ``while_loop`` over leapfrog steps.** Every chain advances one integrator
+step per iteration, with per-chain counters (expansion ``k``, step ``n`` in the subtree,
+direction); the bookkeeping of a subtree's end (merge, biased sampling, the top-level U-turn
+check, the next direction) happens in the same iteration, masked with ``torch.where``. A chain
+that is done freezes (its step size set to 0, its carry kept) until the last chain is done.
+Why flat rather than BlackJAX's two nested loops: with chains in lockstep, a nested loop would
+make every chain wait at each expansion for the slowest one, and its body (holding the
+gradient) would appear once per nesting level in the graph; the flat loop has one body, one
+gradient per iteration, and costs ``max over chains of the number of leapfrog steps``
+iterations. The randomness of iteration ``t`` of a chain is ``uniform(fold_in(key, t), 3)``
+(within-subtree choice, merge choice, direction), so a chain's draws depend on its own key and
+step count only: a batch of chains equals each chain run alone.
+
+Checkpoints live in ``(max_tree_depth, *chains, d)`` tensors (momentum, its velocity, the
+subtree's running momentum sum, and the previous momentum and its velocity for Stan's extra
+check), so a U-turn check is a handful of batched dot products, never a matrix product: the
+velocities are stored when computed. One gradient per leapfrog step: the state caches the
+energy and gradient at the position, and so does every point of the trajectory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fnebm import _checks
+from fnebm import random as fr
+from fnebm._control import while_loop
+from fnebm.gradients import value_and_grad
+from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
+from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
+from fnebm.samplers.base import (
+    SamplingAlgorithm,
+    chain_axes,
+    check_energy,
+    event_all,
+    init_position_state,
+    over_batch,
+    per_chain,
+)
+
+__all__ = ["NUTSState", "NUTSInfo", "init", "build_kernel", "nuts"]
+
+
+class NUTSState(NamedTuple):
+    """``energy`` and ``grad`` at ``position`` are cached: a trajectory starts from them.
+
+    position: ``(*chains, d)``; energy: ``chains``; grad: like position.
+    """
+
+    position: Tensor
+    energy: Tensor
+    grad: Tensor
+
+
+class NUTSInfo(NamedTuple):
+    """One NUTS transition, each field ``chains``.
+
+    acceptance_rate: Stan's acceptance statistic, the mean over every integrated state of
+    ``min(1, exp(H0 - H))`` (what dual averaging targets); is_divergent: the last subtree hit an
+    energy error above ``divergence_threshold`` or a non-finite value (that subtree was dropped);
+    is_turning: the tree stopped on a U-turn (inside the last subtree or of the merged tree);
+    energy_error: ``H(proposal) - H0`` (0 when the chain stays; never NaN); tree_depth: the
+    number of expansions tried, the last included (int64; ``2^(depth-1) <= num_integration_steps
+    <= 2^depth - 1``, BlackJAX's ``num_trajectory_expansions``); num_integration_steps:
+    integrator steps taken, i.e. gradients (int64).
+    """
+
+    acceptance_rate: Tensor
+    is_divergent: Tensor
+    is_turning: Tensor
+    energy_error: Tensor
+    tree_depth: Tensor
+    num_integration_steps: Tensor
+
+
+torch.serialization.add_safe_globals([NUTSState, NUTSInfo])
+
+
+def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> NUTSState:
+    """One chain's state at ``position: (d,)``; ``torch.func.vmap`` it for many chains."""
+    return init_position_state(NUTSState, position, energy_fn)
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    return (a * b).sum(-1)
+
+
+def _turning(p_left: Tensor, v_left: Tensor, p_right: Tensor, v_right: Tensor, p_sum: Tensor) -> Tensor:
+    """The generalised U-turn criterion of a span with end momenta ``p_left, p_right`` (velocities
+    ``v = M^{-1} p``) and momentum sum ``p_sum`` (ends included). Symmetric in the two ends."""
+    rho = p_sum - 0.5 * (p_left + p_right)
+    return (_dot(v_left, rho) <= 0) | (_dot(v_right, rho) <= 0)
+
+
+def _popcount(n: Tensor, bits: int) -> Tensor:
+    """Set bits of ``n`` (int64, ``0 <= n < 2**bits``)."""
+    count = n & 1
+    for b in range(1, bits):
+        count = count + ((n >> b) & 1)
+    return count
+
+
+def build_kernel(
+    integrator: tuple[float, ...] = velocity_verlet,
+    divergence_threshold: float = 1000.0,
+    *,
+    uturn_extra_checks: bool = True,
+) -> Callable[..., tuple[NUTSState, NUTSInfo]]:
+    """The pure kernel ``kernel(state, key, energy_fn, step_size, inverse_mass_matrix,
+    max_tree_depth=10)``.
+
+    key: ``(*chains, 2)``; step_size: a tensor, 0-dim or per chain; inverse_mass_matrix: see
+    :mod:`fnebm.integrators.metrics` (shared or per chain, diagonal or dense); max_tree_depth: a
+    Python int >= 1 (static: it sizes the checkpoints; at most ``2^max_tree_depth - 1``
+    integrator steps per transition). ``integrator``: coefficients from
+    :mod:`fnebm.integrators.symplectic`. ``uturn_extra_checks``: Stan's checks across the two
+    halves of every merge (on by default; off, the criterion is BlackJAX's and NumPyro's).
+    """
+
+    def kernel(state: NUTSState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
+               inverse_mass_matrix, max_tree_depth: int = 10):
+        batch = chain_axes(state.energy, key)
+        x0 = state.position
+        depth = int(max_tree_depth)
+        h = per_chain("step_size", step_size, batch, x0)
+        metric = euclidean(inverse_mass_matrix, x0, len(batch))
+        keys = fr.split(key, 2)
+        p0 = metric.sample_momentum(keys[..., 0, :], x0)
+        k_traj = keys[..., 1, :]
+        v0 = metric.velocity(p0)
+        h0 = state.energy + 0.5 * _dot(p0, v0)
+        vg = over_batch(value_and_grad(energy_fn), len(batch))
+        n_event = x0.ndim - len(batch)
+        dtype, device = x0.dtype, x0.device
+        # checkpoint slots, leading the chain axes: (depth, *chains, 1...)
+        slot = torch.arange(depth, device=device).reshape((depth,) + (1,) * len(batch))
+
+        def wide(mask: Tensor) -> Tensor:  # a per-chain mask against (*chains, d)
+            return mask.reshape(mask.shape + (1,) * n_event)
+
+        def cond(i, active, *rest):
+            return active.any()
+
+        def body(i, active, k, n, fwd,
+                 x, p, u, g, v,  # the point integration continues from (its velocity v = M^{-1} p)
+                 xf, pf, uf, gf, vf,  # the trajectory's other edge
+                 px, pu, pg, ph, pw,  # the tree's proposal, its H and the tree's log weight
+                 sx, su, sg, sh, sw,  # the subtree's proposal, its H and the subtree's log weight
+                 tree_sum, sub_sum,  # momentum sums of the merged tree and of the subtree
+                 r_ck, v_ck, s_ck, q_ck, w_ck,  # checkpoints: p, v, subtree sum, previous p and v
+                 accept_sum, steps, diverged, turned):
+            draws = fr.uniform(fr.fold_in(k_traj, i), (3,), dtype)
+            u_sub, u_merge, u_dir = draws[..., 0], draws[..., 1], draws[..., 2]
+
+            # a new subtree: draw its direction, and start from the edge on that side
+            first = n == 0
+            new_fwd = torch.where(active & first, u_dir < 0.5, fwd)
+            swap = new_fwd != fwd
+            ws = wide(swap)
+            x, xf = torch.where(ws, xf, x), torch.where(ws, x, xf)
+            p, pf = torch.where(ws, pf, p), torch.where(ws, p, pf)
+            u, uf = torch.where(swap, uf, u), torch.where(swap, u, uf)
+            g, gf = torch.where(ws, gf, g), torch.where(ws, g, gf)
+            v, vf = torch.where(ws, vf, v), torch.where(ws, v, vf)
+
+            # one integrator step (step size 0 for a finished chain: it stays where it is)
+            sign = torch.where(new_fwd & active, 1.0, torch.where(active, -1.0, 0.0)).to(dtype)
+            nx, np_, nu, ng = integrate(IntegratorState(x, p, u, g), wide(sign) * h, vg, metric.velocity, integrator)
+            nv = metric.velocity(np_)
+            nh = nu + 0.5 * _dot(np_, nv)
+            finite = nh.isfinite() & event_all(ng.isfinite() & nx.isfinite(), len(batch))
+            delta = torch.where(finite, h0 - nh, torch.full_like(nh, -math.inf))  # log weight exp(-(H - H0))
+            divergent = active & ~(finite & (-delta <= divergence_threshold))
+            accept_sum = accept_sum + torch.where(active, torch.exp(torch.clamp_max(delta, 0.0)), 0.0)
+            steps = steps + active.to(steps.dtype)
+
+            # progressive uniform sampling inside the subtree (its first point is taken outright)
+            take = active & (first | (u_sub < torch.sigmoid(delta - sw)))
+            wt = wide(take)
+            sx, sg = torch.where(wt, nx, sx), torch.where(wt, ng, sg)
+            su, sh = torch.where(take, nu, su), torch.where(take, nh, sh)
+            sw = torch.where(active, torch.where(first, delta, torch.logaddexp(sw, delta)), sw)
+            sub_sum = torch.where(wide(active), torch.where(wide(first), np_, sub_sum + np_), sub_sum)
+
+            # checkpoints at even steps, in slot popcount(n)
+            set_bits = _popcount(n, depth)
+            write = wide(active & (n % 2 == 0) & (slot == set_bits))
+            r_ck = torch.where(write, np_, r_ck)
+            v_ck = torch.where(write, nv, v_ck)
+            s_ck = torch.where(write, sub_sum, s_ck)
+            q_ck = torch.where(write, p, q_ck)
+            w_ck = torch.where(write, v, w_ck)
+
+            # U-turns of the balanced subtrees completed at step n (n odd): slots lo..hi
+            hi = _popcount(n >> 1, depth)
+            lo = hi - _popcount((~n & (n + 1)) - 1, depth) + 1
+            span = (slot >= lo) & (slot <= hi)
+            sub_turning = (span & _turning(r_ck, v_ck, np_, nv, sub_sum - s_ck + r_ck)).any(0)
+            if uturn_extra_checks and depth > 1:
+                # halves A | B of the subtree starting at slot j: B starts at slot j + 1
+                inner = (slot[:-1] >= lo) & (slot[:-1] < hi)
+                a_first_b = _turning(r_ck[:-1], v_ck[:-1], r_ck[1:], v_ck[1:], s_ck[1:] - s_ck[:-1] + r_ck[:-1])
+                last_a_b = _turning(q_ck[1:], w_ck[1:], np_, nv, sub_sum - s_ck[1:] + r_ck[1:] + q_ck[1:])
+                sub_turning = sub_turning | (inner & (a_first_b | last_a_b)).any(0)
+            sub_turning = active & sub_turning
+
+            # the subtree's end: merge it, or stop
+            end = active & (n + 1 == torch.bitwise_left_shift(torch.ones_like(k), k))
+            stop = divergent | sub_turning
+            merge = end & ~stop
+            take = merge & (u_merge < torch.exp(torch.clamp_max(sw - pw, 0.0)))  # biased sampling
+            wt = wide(take)
+            px, pg = torch.where(wt, sx, px), torch.where(wt, sg, pg)
+            pu, ph = torch.where(take, su, pu), torch.where(take, sh, ph)
+            pw = torch.where(merge, torch.logaddexp(pw, sw), pw)
+            merged_sum = tree_sum + sub_sum
+            tree_turning = _turning(pf, vf, np_, nv, merged_sum)
+            if uturn_extra_checks:
+                # tree + the subtree's first point; the tree's edge it grew from + the subtree
+                tree_turning = (tree_turning | _turning(pf, vf, r_ck[0], v_ck[0], tree_sum + r_ck[0])
+                                | _turning(q_ck[0], w_ck[0], np_, nv, sub_sum + q_ck[0]))
+            tree_turning = merge & tree_turning
+            tree_sum = torch.where(wide(merge), merged_sum, tree_sum)
+            done = stop | tree_turning | (merge & (k + 1 >= depth))
+            k = torch.where(merge & ~done, k + 1, k)
+            n = torch.where(active, torch.where(end, 0, n + 1), n)
+
+            # integration continues from the new point (a non-finite one ends the chain's tree anyway)
+            keep = active & finite
+            wk = wide(keep)
+            x, p, g, v = torch.where(wk, nx, x), torch.where(wk, np_, p), torch.where(wk, ng, g), torch.where(wk, nv, v)
+            u = torch.where(keep, nu, u)
+            diverged = diverged | divergent
+            turned = turned | sub_turning | tree_turning
+            return (i + 1, active & ~done, k, n, new_fwd, x, p, u, g, v, xf, pf, uf, gf, vf,
+                    px, pu, pg, ph, pw, sx, su, sg, sh, sw, tree_sum, sub_sum,
+                    r_ck, v_ck, s_ck, q_ck, w_ck, accept_sum, steps, diverged, turned)
+
+        def zeros(shape=batch, dt=dtype):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        def ones(shape=batch, dt=torch.bool):
+            return torch.ones(shape, dtype=dt, device=device)
+
+        def point():  # the start, as a fresh copy: no two carry entries alias
+            return tuple(t.clone() for t in (x0, p0, state.energy, state.grad, v0))
+
+        ck = (depth,) + tuple(x0.shape)
+        x, _, u, g, _ = point()
+        x_, _, u_, g_, _ = point()
+        carry = (zeros((), torch.int64), ones(), zeros(dt=torch.int64), zeros(dt=torch.int64), ones(),
+                 *point(), *point(), x, u, g, h0.clone(), zeros(), x_, u_, g_, h0.clone(), zeros(),
+                 p0.clone(), torch.zeros_like(p0), *(zeros(ck) for _ in range(5)),
+                 zeros(), zeros(dt=torch.int64), zeros(dt=torch.bool), zeros(dt=torch.bool))
+        out = while_loop(cond, body, carry)
+        k, px, pu, pg, ph = out[2], out[15], out[16], out[17], out[18]
+        accept_sum, steps, diverged, turned = out[-4:]
+        info = NUTSInfo(accept_sum / steps.clamp_min(1).to(dtype), diverged, turned, ph - h0, k + 1, steps)
+        return NUTSState(px, pu, pg), info
+
+    return kernel
+
+
+_kernels: dict = {}
+
+
+def _kernel_for(integrator: tuple[float, ...], divergence_threshold: float):
+    # one kernel per (integrator, threshold): the runner cache keys graphs by the kernel's
+    # code and Dynamo guards these closure constants, so each pair gets its own graph
+    key = (tuple(integrator), float(divergence_threshold))
+    if key not in _kernels:
+        _kernels[key] = build_kernel(*key)
+    return _kernels[key]
+
+
+def nuts(
+    energy_fn: Callable[[Tensor], Tensor],
+    step_size: float | Tensor,
+    inverse_mass_matrix: InverseMassMatrix | None = None,
+    max_tree_depth: int = 10,
+    *,
+    integrator: tuple[float, ...] = velocity_verlet,
+    divergence_threshold: float = 1000.0,
+) -> SamplingAlgorithm:
+    """NUTS targeting ``p(x) ∝ exp(-E(x))``: trajectories that double until they turn.
+
+    ``step_size``: a number or a tensor, 0-dim or one per chain. ``inverse_mass_matrix``:
+    diagonal ``(d,)`` / ``(*chains, d)`` or dense ``(d, d)`` / ``(*chains, d, d)`` (``None``: the
+    identity, for any d); see :mod:`fnebm.integrators.metrics`. ``max_tree_depth``: a Python int
+    >= 1, at most ``2^max_tree_depth - 1`` integrator steps per transition. A subtree whose
+    energy error exceeds ``divergence_threshold`` or turns non-finite is dropped, the tree stops
+    and the transition is flagged ``is_divergent``.
+    Returns ``SamplingAlgorithm(init, step)``: ``init(position: (d,)) -> NUTSState`` for one
+    chain, ``step(state, keys: (*chains, 2)) -> (NUTSState, NUTSInfo)``.
+    """
+    check_energy(energy_fn)
+    step_size = _checks.tunable("step_size", step_size)
+    max_tree_depth = _checks.check_int("max_tree_depth", max_tree_depth, 1)
+    if max_tree_depth > 30:
+        raise ValueError(f"max_tree_depth must be <= 30 (2^depth integrator steps), got {max_tree_depth}")
+    threshold = _checks.check_real("divergence_threshold", divergence_threshold)
+    if not threshold > 0:
+        raise ValueError(f"divergence_threshold must be > 0, got {threshold}")
+    coefficients = tuple(_checks.check_real("integrator coefficient", c) for c in integrator)
+    if len(coefficients) % 2 == 0 or coefficients != coefficients[::-1]:
+        raise ValueError(f"integrator must be a palindrome of odd length (e.g. fnebm.integrators.velocity_verlet), "
+                         f"got {integrator}")
+    if inverse_mass_matrix is not None:
+        inverse_mass_matrix = check_inverse_mass_matrix(inverse_mass_matrix)
+    kernel = _kernel_for(coefficients, threshold)
+    if inverse_mass_matrix is None:
+        step = functools.partial(_identity_metric, kernel, energy_fn=energy_fn, step_size=step_size,
+                                 max_tree_depth=max_tree_depth)
+    else:
+        step = functools.partial(kernel, energy_fn=energy_fn, step_size=step_size,
+                                 inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth)
+    return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
+
+
+def _identity_metric(kernel, state, key, energy_fn, step_size, max_tree_depth):
+    ones = torch.ones(state.position.shape[-1], dtype=state.position.dtype, device=state.position.device)
+    return kernel(state, key, energy_fn, step_size, ones, max_tree_depth)
