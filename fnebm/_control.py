@@ -37,7 +37,7 @@ def while_loop(
         def same_layout(*old):  # the carry keeps its strides, and never aliases an input
             return tuple(torch.empty_like(o).copy_(n) for o, n in zip(old, body(*old)))
 
-        return tuple(hop(cond, same_layout, carry))
+        return tuple(hop(cond, same_layout, tuple(c.contiguous() for c in carry)))
     while True:
         go = cond(*carry)
         if not _is_wrapped(go):
