@@ -1,6 +1,6 @@
 """fnebm side by side with its peers, in one process run.
 
-    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W3,W5,RNG] [--fresh-cache]
+    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W5,RNG] [--fresh-cache]
 
 Workloads (fixed, so that runs compare over time):
   W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
@@ -17,6 +17,10 @@ Workloads (fixed, so that runs compare over time):
          jax.vmap over step sizes and chains in jit + lax.scan. Also "sweep": a run with
          new step-size values (fnebm: a new sampler; BlackJAX: the same jitted function,
          the step sizes a traced argument), which must not compile again.
+  W2     HMC, 100-D Gaussian with diagonal covariance (scales 0.1 .. 1, linearly spaced),
+         1,000 chains x 50 iterations x 10 leapfrog steps, eps = 0.05, identity mass matrix;
+         peers: BlackJAX hmc (jit + vmap + lax.scan), TorchEBM HamiltonianMonteCarlo +
+         GaussianModel (its Gaussian: a dense precision matrix)
   RNG    10**6 standard normals: fnebm.random.normal compiled vs torch.randn
 
 Every implementation keeps the whole trajectory (draws x chains x dim), as a sampler's user
@@ -151,6 +155,27 @@ def fnebm_mala_sweep_2axes(sizes, chains, steps):
     return _fnebm_sweep(sizes, chains, steps, flat=False)
 
 
+W2_DIM, W2_EPS, W2_LEAPFROG = 100, 0.05, 10
+
+
+def _w2_scales():
+    return torch.linspace(0.1, 1.0, W2_DIM)
+
+
+def _w2_energy(precision, x):
+    return 0.5 * (precision * x * x).sum()
+
+
+def fnebm_hmc(chains, steps):
+    import functools
+
+    energy = functools.partial(_w2_energy, 1.0 / _w2_scales() ** 2)
+    alg = fnebm.hmc(energy, W2_EPS, None, W2_LEAPFROG)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, W2_DIM)))
+    key = fr.key(1)
+    return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False)[1]
+
+
 # ----------------------------------------------------------------------------- torch peers
 
 
@@ -182,6 +207,22 @@ def torchebm_langevin(chains, steps):
         raise Missing(f"torchebm ({e.name})") from None
     sampler = LangevinDynamics(DoubleWellModel(barrier_height=H, b=B), step_size=ETA, noise_scale=1.0)
     x0 = torch.randn(chains, DIM)
+
+    def run():
+        return sampler.sample(x=x0.clone(), n_steps=steps, return_trajectory=True)
+
+    return run
+
+
+def torchebm_hmc(chains, steps):
+    try:
+        from torchebm.core import GaussianModel
+        from torchebm.samplers import HamiltonianMonteCarlo
+    except ImportError as e:
+        raise Missing(f"torchebm ({e.name})") from None
+    model = GaussianModel(torch.zeros(W2_DIM), torch.diag(_w2_scales() ** 2))
+    sampler = HamiltonianMonteCarlo(model, step_size=W2_EPS, n_leapfrog_steps=W2_LEAPFROG)
+    x0 = torch.randn(chains, W2_DIM)
 
     def run():
         return sampler.sample(x=x0.clone(), n_steps=steps, return_trajectory=True)
@@ -249,6 +290,27 @@ def blackjax_mala(chains, steps):
 
     key = jax.random.key(0)
     x0 = jax.random.normal(jax.random.key(1), (chains, DIM))
+    return lambda: chain(key, x0).block_until_ready()
+
+
+def blackjax_hmc(chains, steps):
+    jax, jnp = _jax()
+    blackjax = _blackjax()
+    precision = jnp.asarray((1.0 / _w2_scales() ** 2).numpy())
+    alg = blackjax.hmc(lambda x: -0.5 * jnp.sum(precision * x * x), W2_EPS, jnp.ones(W2_DIM), W2_LEAPFROG)
+
+    @jax.jit
+    def chain(key, x0):
+        states = jax.vmap(alg.init)(x0)
+
+        def body(s, k):
+            s, _ = jax.vmap(alg.step)(jax.random.split(k, chains), s)
+            return s, s.position
+
+        return jax.lax.scan(body, states, jax.random.split(key, steps))[1]
+
+    key = jax.random.key(0)
+    x0 = jax.random.normal(jax.random.key(1), (chains, W2_DIM))
     return lambda: chain(key, x0).block_until_ready()
 
 
@@ -326,6 +388,13 @@ WORKLOADS = {
         peers=[("BlackJAX", blackjax_mala)],
         full=dict(chains=10_000, steps=100),
         quick=dict(chains=1_000, steps=20),
+    ),
+    "W2": dict(
+        title="HMC, 100-D diagonal Gaussian (scales 0.1..1), {chains} chains x {steps} iterations x 10 leapfrog steps",
+        ours=("fnebm", fnebm_hmc),
+        peers=[("BlackJAX", blackjax_hmc), ("TorchEBM 0.8", torchebm_hmc)],
+        full=dict(chains=1_000, steps=50),
+        quick=dict(chains=100, steps=10),
     ),
     "W5": dict(
         title="MALA step-size sweep, 10-D Gaussian (diagonal precision 1..10), {sizes} step sizes x {chains} chains x {steps} steps",
