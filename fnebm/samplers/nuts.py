@@ -125,12 +125,12 @@ def _turning(p_left: Tensor, v_left: Tensor, p_right: Tensor, v_right: Tensor, p
     return (_dot(v_left, rho) <= 0) | (_dot(v_right, rho) <= 0)
 
 
-def _popcount(n: Tensor, bits: int) -> Tensor:
-    """Set bits of ``n`` (int64, ``0 <= n < 2**bits``)."""
-    count = n & 1
-    for b in range(1, bits):
-        count = count + ((n >> b) & 1)
-    return count
+def _popcount(n: Tensor) -> Tensor:
+    """Set bits of ``n`` (int64, ``0 <= n < 2**32``): the SWAR count, a dozen ops for any depth."""
+    n = n - ((n >> 1) & 0x55555555)
+    n = (n & 0x33333333) + ((n >> 2) & 0x33333333)
+    n = (n + (n >> 4)) & 0x0F0F0F0F
+    return ((n * 0x01010101) & 0xFFFFFFFF) >> 24
 
 
 def build_kernel(
@@ -216,18 +216,18 @@ def build_kernel(
             sub_sum = torch.where(wide(active), torch.where(wide(first), np_, sub_sum + np_), sub_sum)
 
             # checkpoints at even steps, in slot popcount(n)
-            set_bits = _popcount(n, depth)
-            write = wide(active & (n % 2 == 0) & (slot == set_bits))
+            bits_n, bits_next = _popcount(n), _popcount(n + 1)
+            write = wide(active & (n % 2 == 0) & (slot == bits_n))
             r_ck = torch.where(write, np_, r_ck)
             v_ck = torch.where(write, nv, v_ck)
             s_ck = torch.where(write, sub_sum, s_ck)
             q_ck = torch.where(write, p, q_ck)
             w_ck = torch.where(write, v, w_ck)
 
-            # U-turns of the balanced subtrees completed at step n (n odd): slots lo..hi
-            hi = _popcount(n >> 1, depth)
-            lo = hi - _popcount((~n & (n + 1)) - 1, depth) + 1
-            span = (slot >= lo) & (slot <= hi)
+            # U-turns of the balanced subtrees completed at step n (n odd, t trailing ones: sizes 2..2^t)
+            # start at slots popcount(n + 1) - 1 (the largest) .. popcount(n) - 1 (the pair)
+            hi, lo = bits_n - 1, bits_next - 1
+            span = (slot >= lo) & (slot <= hi)  # empty for even n
             sub_turning = (span & _turning(r_ck, v_ck, np_, nv, sub_sum - s_ck + r_ck)).any(0)
             if uturn_extra_checks and depth > 1:
                 # halves A | B of the subtree starting at slot j: B starts at slot j + 1
@@ -235,7 +235,7 @@ def build_kernel(
                 a_first_b = _turning(r_ck[:-1], v_ck[:-1], r_ck[1:], v_ck[1:], s_ck[1:] - s_ck[:-1] + r_ck[:-1])
                 last_a_b = _turning(q_ck[1:], w_ck[1:], np_, nv, sub_sum - s_ck[1:] + r_ck[1:] + q_ck[1:])
                 sub_turning = sub_turning | (inner & (a_first_b | last_a_b)).any(0)
-            sub_turning = active & sub_turning
+            sub_turning = active & ~divergent & sub_turning  # a divergent point's momentum is not checked
 
             # the subtree's end: merge it, or stop
             end = active & (n + 1 == torch.bitwise_left_shift(torch.ones_like(k), k))
