@@ -13,8 +13,24 @@ only inside the function that runs a warm-up.
 
 from fnebm.adaptation.mass_matrix import Welford, WelfordState, welford
 from fnebm.adaptation.step_size import DualAveraging, DualAveragingState, dual_averaging
+from fnebm.adaptation.window import (
+    AdaptationResults,
+    Schedule,
+    WindowAdaptation,
+    WindowAdaptationInfo,
+    WindowAdaptationState,
+    build_schedule,
+    window_adaptation,
+)
 
 __all__ = [
+    "window_adaptation",
+    "WindowAdaptation",
+    "WindowAdaptationState",
+    "WindowAdaptationInfo",
+    "AdaptationResults",
+    "build_schedule",
+    "Schedule",
     "dual_averaging",
     "DualAveraging",
     "DualAveragingState",

@@ -59,7 +59,7 @@ def init(like: Tensor, diagonal: bool = True) -> WelfordState:
     """An empty statistic shaped like ``like: (*batch, d)`` (only its shape, dtype and device are
     read): ``(d,)`` for one pooled statistic, ``(*chains, d)`` for one per chain."""
     if like.ndim < 1:
-        raise ValueError(f"like must have shape (*batch, d), got a 0-dim tensor")
+        raise ValueError("like must have shape (*batch, d), got a 0-dim tensor")
     mean = torch.zeros_like(like)
     m2 = torch.zeros_like(like) if diagonal else torch.zeros(like.shape + like.shape[-1:], dtype=like.dtype,
                                                                device=like.device)

@@ -61,12 +61,13 @@ class DualAveraging(NamedTuple):
     final: Callable[[DualAveragingState], Tensor]
 
 
-def init(initial_step_size: Tensor) -> DualAveragingState:
-    """A fresh state at ``h_0 = initial_step_size`` (a floating tensor, 0-dim or per chain);
-    ``mu = log(10 h_0)``. :func:`final` of a fresh state is ``h_0``."""
+def init(initial_step_size: Tensor, shrink_factor: float = 10.0) -> DualAveragingState:
+    """A fresh state at ``h_0 = initial_step_size`` (a floating tensor, 0-dim or per chain),
+    shrinking towards ``mu = log(shrink_factor h_0)`` (Stan: 10, which makes the first
+    iterations try larger steps). :func:`final` of a fresh state is ``h_0``."""
     log_h = torch.log(initial_step_size)
     zero = torch.zeros_like(log_h)
-    return DualAveragingState(log_h, log_h.clone(), zero, log_h + math.log(10.0), zero.clone())
+    return DualAveragingState(log_h, log_h.clone(), zero, log_h + math.log(shrink_factor), zero.clone())
 
 
 def safe_acceptance(acceptance_rate: Tensor) -> Tensor:
