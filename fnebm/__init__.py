@@ -5,7 +5,8 @@ samplers are ``SamplingAlgorithm(init, step)`` pairs (:mod:`fnebm.samplers`), an
 :func:`sample_chain` runs a whole chain as one compiled region.
 """
 
-from fnebm import chain, diagnostics, energies, integrators, random, samplers
+from fnebm import adaptation, chain, diagnostics, energies, integrators, random, samplers
+from fnebm.adaptation import window_adaptation
 from fnebm.chain import ChainState, sample_chain
 from fnebm.gradients import score, value_and_grad
 from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains
@@ -16,6 +17,8 @@ __all__ = [
     "random",
     "energies",
     "samplers",
+    "adaptation",
+    "window_adaptation",
     "diagnostics",
     "chain",
     "integrators",
