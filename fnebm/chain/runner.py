@@ -32,24 +32,49 @@ _COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_orde
 _IDS = itertools.count()
 
 
-def code_key(fn: Any) -> Hashable:
-    """What identifies a callable's *code*, not its values: partials by their function and
-    arguments (callable arguments, such as an energy, by their own code; others by name),
-    functions by their code object, bound methods by theirs, other objects by type.
+def code_key(fn: Any, _depth: int = 0) -> Hashable:
+    """What identifies a callable's *code and static configuration*, not its values: partials by
+    their function and arguments, functions by their code object and closure, bound methods by
+    theirs, other objects by type. An argument or closure cell that is callable counts by its
+    own code (an energy, a kernel); a tensor by its dtype, number of axes and device (its values
+    and sizes are graph inputs); a Python constant (an int trajectory length, a bool switch, a
+    tuple of integrator coefficients) by its value, since the compiled code is specialised on it.
 
     So ``mala(gaussian_a, 0.1).step`` and ``mala(gaussian_b, 0.2).step`` share a key (and a
-    graph), while MALA on a Gaussian and MALA on a network get runners of their own.
+    graph), while MALA on a Gaussian and MALA on a network, or HMC with two integrators, get
+    runners of their own: each configuration compiles once, instead of recompiling a shared
+    runner back and forth (and into Dynamo's recompile limit).
     """
+    if _depth > 6:
+        return ("deep", type(fn))
     if isinstance(fn, functools.partial):
-        args = tuple(code_key(a) if callable(a) else None for a in fn.args)
-        kwargs = tuple((k, code_key(v) if callable(v) else None) for k, v in sorted(fn.keywords.items()))
-        return ("partial", code_key(fn.func), args, kwargs)
+        args = tuple(_static(a, _depth) for a in fn.args)
+        kwargs = tuple((k, _static(v, _depth)) for k, v in sorted(fn.keywords.items()))
+        return ("partial", code_key(fn.func, _depth + 1), args, kwargs)
     if isinstance(fn, types.MethodType):
-        return ("method", code_key(fn.__func__))
+        return ("method", code_key(fn.__func__, _depth + 1))
     code = getattr(fn, "__code__", None)
     if code is not None:
-        return code
+        cells = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                cells.append(_static(cell.cell_contents, _depth))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return (code, tuple(cells)) if cells else code
     return ("object", type(fn))
+
+
+def _static(value: Any, depth: int) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.ndim, value.device.type)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return (type(value), tuple(_static(v, depth + 1) for v in value))
+    if callable(value):
+        return code_key(value, depth + 1)
+    return ("object", type(value))
 
 
 def _chunk(step, collect, keys, state, ts):
