@@ -22,7 +22,6 @@ from fnebm import energies as E
 from fnebm import random as fr
 from fnebm.adaptation import build_schedule, dual_averaging, welford, window_adaptation
 from fnebm.adaptation import mass_matrix as mm
-from fnebm.adaptation import step_size as ss
 from fnebm.adaptation.window import (
     MAX_WINDOWS,
     default_num_integration_steps,

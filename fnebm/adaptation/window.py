@@ -370,7 +370,10 @@ def window_adaptation(
             acceptance and draws (``True``), or one per chain (``False``). Default: pooled when
             there is more than one chain.
         initial_buffer, first_window, final_buffer: Stan's 75, 25, 50.
-        t0, gamma, kappa: dual averaging's (Stan's 10, 0.05, 0.75).
+        t0, gamma, kappa: dual averaging's (Stan's 10, 0.05, 0.75), except that ``gamma=None``
+            is 0.3 for a step size pooled over chains (:data:`POOLED_GAMMA`: the averaged statistic
+            is nearly deterministic, and 0.05 sets the step size circling; see the module's notes)
+            and 0.05 per chain. Restarts at a window's end shrink towards the step size reached.
         **extra: further arguments of ``algorithm`` (``integrator``, ``max_tree_depth``, ...). For
             :func:`fnebm.hmc` without ``num_integration_steps``, the rule of thumb
             ``ceil(sqrt(d))`` (:func:`default_num_integration_steps`).
@@ -404,7 +407,7 @@ def window_adaptation(
         if not isinstance(initial_inverse_mass_matrix, (Diagonal, Dense)):
             initial_inverse_mass_matrix = kind(initial_inverse_mass_matrix)
         check_inverse_mass_matrix(initial_inverse_mass_matrix, "initial_inverse_mass_matrix")
-    # validates t0, gamma, kappa
+    # the triple's own checks of t0, gamma and kappa (the step calls its functions directly)
     ss.dual_averaging(target, t0=t0, gamma=STAN_GAMMA if gamma is None else gamma, kappa=kappa)
     for name in ("step_size", "inverse_mass_matrix"):
         if name in extra:
