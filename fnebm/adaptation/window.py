@@ -148,7 +148,8 @@ def stages(schedule: Schedule, t: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class WindowAdaptationState(NamedTuple):
-    """The warm-up's state; ``pooled`` fields are shared by the chains, the others per chain.
+    """The warm-up's state: the whole ensemble as one pytree (``sample_chain`` runs it as one
+    "chain"). The step size and mass matrix fields are shared when pooled, per chain otherwise.
 
     state: the sampler's state, fields ``(*chains, ...)``;
     step: 0-dim int64, the index of the next iteration in ``schedule``;
