@@ -26,6 +26,7 @@ import fnebm
 from fnebm import diagnostics
 from fnebm import energies as E
 from fnebm import random as fr
+from fnebm.adaptation.window import default_num_integration_steps
 
 __all__ = ["main", "ENERGIES", "SAMPLERS", "DEMO", "demo_command"]
 
@@ -74,10 +75,14 @@ ENERGIES: dict[str, EnergySpec] = {
     "gaussian_mixture": EnergySpec(_mixture, 0.1, "4 modes (+-2, +-2, 0, ...), std 0.5 (dim 1: 2 modes)"),
 }
 
-SAMPLERS: dict[str, Callable[[Any, float], fnebm.SamplingAlgorithm]] = {
+SAMPLERS: dict[str, Callable[..., fnebm.SamplingAlgorithm]] = {
     "langevin": fnebm.langevin,
     "mala": fnebm.mala,
+    "hmc": fnebm.hmc,
+    "nuts": fnebm.nuts,
 }
+# samplers with a mass matrix, which --adapt tunes with fnebm.window_adaptation
+ADAPTIVE = ("hmc", "nuts")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -99,11 +104,18 @@ def _collect(state: Any) -> tuple[Tensor, Tensor]:
     return state.position, state.energy
 
 
+def _extra(sampler: str, dim: int) -> dict[str, Any]:
+    """The sampler's arguments beyond the step size: HMC's trajectory, ``ceil(sqrt(dim))`` steps."""
+    return {"num_integration_steps": default_num_integration_steps(dim)} if sampler == "hmc" else {}
+
+
 def _build(energy: str, sampler: str, step_size: float, dim: int, dtype: torch.dtype, device: str):
     """``(energy, algorithm)``. A rebuilt sampler of the same kind and shapes reuses the compiled
     graph (``sample_chain`` keys graphs by code, and parameters are graph inputs)."""
     target = ENERGIES[energy].build(dim, dtype, torch.device(device))
     target.check_dim(dim)
+    if sampler in ADAPTIVE:
+        return target, SAMPLERS[sampler](target, step_size, None, **_extra(sampler, dim))
     return target, SAMPLERS[sampler](target, step_size)
 
 
@@ -137,6 +149,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
             p.add_argument(f"--{name}", default=DEMO[name], help=hide)
         for name in ("dim", "chains", "steps", "burn_in", "thin", "seed"):
             p.add_argument(f"--{name.replace('_', '-')}", type=int, default=DEMO[name], help=hide)
+        p.add_argument("--adapt", type=int, default=DEMO.get("adapt"), help=hide)
         p.add_argument("--step-size", type=float, default=DEMO["step_size"], help=hide)
         p.add_argument("--plot", default=DEMO_PLOT, metavar="PATH", help=f"PNG to write (default: {DEMO_PLOT})")
     else:
@@ -145,10 +158,13 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         p.add_argument("--dim", type=int, default=2, metavar="D", help="dimension of x (default: 2)")
         p.add_argument("--sampler", default="mala", metavar="NAME",
                        help=f"one of {', '.join(SAMPLERS)} (default: mala)")
+        p.add_argument("--adapt", type=int, default=None, metavar="N",
+                       help="hmc/nuts: warm-up steps of window adaptation (step size and diagonal mass "
+                            "matrix) before burn-in and sampling (default: steps // 2; 0: none)")
         p.add_argument("--chains", type=int, default=1024, metavar="N", help="chains run in parallel (default: 1024)")
         p.add_argument("--steps", type=int, default=1000, metavar="N", help="steps after burn-in (default: 1000)")
         p.add_argument("--burn-in", type=int, default=None, metavar="N",
-                       help="steps run first and not kept (default: steps // 4)")
+                       help="steps run first and not kept (default: steps // 4; 0 after --adapt)")
         p.add_argument("--thin", type=int, default=1, metavar="N", help="keep every N-th step (default: 1)")
         p.add_argument("--step-size", type=float, default=None, metavar="H",
                        help="sampler step size (default: the energy's, see docs/cli.md)")
@@ -185,6 +201,7 @@ class Config(NamedTuple):
     dim: int
     chains: int
     steps: int
+    adapt: int
     burn_in: int
     thin: int
     step_size: float
@@ -250,12 +267,24 @@ def _config(args: argparse.Namespace) -> Config:
                         ("--thin", args.thin)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    burn_in = args.steps // 4 if args.burn_in is None else args.burn_in
+    adaptive = args.sampler in ADAPTIVE
+    if args.adapt is not None and args.adapt < 0:
+        raise UsageError(f"--adapt must be >= 0, got {args.adapt}")
+    if args.adapt and not adaptive:
+        raise UsageError(f"--adapt tunes a mass matrix: use it with --sampler {' or '.join(ADAPTIVE)}, "
+                         f"not {args.sampler}")
+    adapt = (args.steps // 2 if adaptive else 0) if args.adapt is None else args.adapt
+    burn_in = (0 if adapt else args.steps // 4) if args.burn_in is None else args.burn_in
     if burn_in < 0:
         raise UsageError(f"--burn-in must be >= 0, got {burn_in}")
     if args.thin > args.steps:
         raise UsageError(f"--thin must be <= --steps to keep any draw, got --thin {args.thin} --steps {args.steps}")
-    step_size = ENERGIES[args.energy].step_size if args.step_size is None else args.step_size
+    if args.step_size is not None:
+        step_size = args.step_size
+    elif adapt:  # the adaptation's starting point: the rule of thumb d^(-1/4)
+        step_size = args.dim ** -0.25
+    else:
+        step_size = ENERGIES[args.energy].step_size
     if not (math.isfinite(step_size) and step_size > 0):
         raise UsageError(f"--step-size must be a finite number > 0, got {step_size}")
     try:
@@ -269,7 +298,7 @@ def _config(args: argparse.Namespace) -> Config:
         raise UsageError(f"--out and --plot name the same file {args.out}")
     return Config(
         energy=args.energy, sampler=args.sampler, dim=args.dim, chains=args.chains, steps=args.steps,
-        burn_in=burn_in, thin=args.thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
+        adapt=adapt, burn_in=burn_in, thin=args.thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
         device=str(device), out=out, plot=plot,
         progress=not args.no_progress and sys.stderr.isatty(), compile=not args.no_compile,
     )
@@ -303,6 +332,21 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     x0 = fr.normal(init_key, (cfg.chains, cfg.dim), dtype)
     state = torch.func.vmap(alg.init)(x0)
 
+    adapted, adapt_s = None, None
+    if cfg.adapt:
+        adapt_key, run_key = fr.split(run_key)
+        t0 = time.perf_counter()
+        warmup = fnebm.window_adaptation(SAMPLERS[cfg.sampler], target, cfg.adapt,
+                                         initial_step_size=cfg.step_size, **_extra(cfg.sampler, cfg.dim))
+        state, parameters, _ = warmup.run(state, adapt_key, compile=cfg.compile, progress=cfg.progress)
+        _sync(device)
+        adapt_s = time.perf_counter() - t0
+        alg = SAMPLERS[cfg.sampler](target, **parameters)
+        imm = parameters["inverse_mass_matrix"]
+        imm = getattr(imm, "inverse_mass_matrix", imm)
+        adapted = dict(step_size=float(parameters["step_size"]),
+                       inverse_mass_matrix_range=(float(imm.min()), float(imm.max())))
+
     compile_s = None
     if cfg.compile:
         # sample_chain reuses one graph for every run length >= 2: a 2-step run compiles it
@@ -320,12 +364,14 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     )
     _sync(device)
     sampling_s = time.perf_counter() - t0
-    return _summary(cfg, positions, info, compile_s, sampling_s), positions, energies, target
+    summary = _summary(cfg, positions, info, compile_s, sampling_s)
+    summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted)
+    return summary, positions, energies, target
 
 
 def _summary(cfg: Config, positions: Tensor, info: Any, compile_s: float | None, sampling_s: float) -> dict:
     """Plain Python numbers (``None`` where not computed)."""
-    acc = diagnostics.acceptance_summary(info)
+    acc = diagnostics.acceptance_summary(info, layout="draws_chains")
     rate = acc.get("mean_acceptance_rate")
     out: dict[str, Any] = dict(
         sampler=cfg.sampler, energy=cfg.energy, dim=cfg.dim, chains=cfg.chains, steps=cfg.steps,
@@ -334,16 +380,22 @@ def _summary(cfg: Config, positions: Tensor, info: Any, compile_s: float | None,
         acceptance=None if rate is None else float(rate),
         n_divergent=acc.get("n_divergent", 0),
         divergent_fraction=float(acc.get("divergent_fraction", 0.0)),
+        mean_tree_depth=_float_or_none(acc.get("mean_tree_depth")),
+        mean_integration_steps=_float_or_none(acc.get("mean_num_integration_steps")),
         ess_bulk_min=None, ess_bulk_median=None, ess_per_s=None, rhat_max=None,
         compile_s=compile_s, sampling_s=sampling_s,
     )
     if positions.shape[0] >= 4:  # the diagnostics need 4 draws
-        ess = diagnostics.ess_bulk(positions).double().cpu()
+        ess = diagnostics.ess_bulk(positions, layout="draws_chains").double().cpu()
         out["ess_bulk_min"] = float(ess.min())
         out["ess_bulk_median"] = float(ess.quantile(0.5))
         out["ess_per_s"] = out["ess_bulk_min"] / sampling_s if sampling_s > 0 else math.inf
-        out["rhat_max"] = float(diagnostics.rhat(positions).max())
+        out["rhat_max"] = float(diagnostics.rhat(positions, layout="draws_chains").max())
     return out
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _fmt(x: float | None, spec: str = ".3g", missing: str = "n/a (needs >= 4 kept draws)") -> str:
@@ -353,15 +405,23 @@ def _fmt(x: float | None, spec: str = ".3g", missing: str = "n/a (needs >= 4 kep
 def format_summary(s: dict[str, Any]) -> list[str]:
     """The summary as aligned lines."""
     if s["acceptance"] is not None:
-        acceptance = f"{s['acceptance']:.3f} (mean MALA acceptance rate)"
+        acceptance = f"{s['acceptance']:.3f} (mean {s['sampler'].upper()} acceptance statistic)"
     else:
         acceptance = f"{1 - s['divergent_fraction']:.3f} (unadjusted: 1 - divergent fraction)"
     rows = [
-        ("sampler", f"{s['sampler']}, step size {s['step_size']:g}"),
+        ("sampler", f"{s['sampler']}, step size {s['step_size']:g}" + (" (before adaptation)" if s.get("adapted") else "")),
         ("energy", f"{s['energy']}, dim {s['dim']}, {s['dtype']} on {s['device']}"),
         ("run", f"{s['chains']} chains x {s['steps']} steps (burn-in {s['burn_in']}, thin {s['thin']})"
                 f" -> {s['draws']} draws"),
+        *([("adaptation", f"{s['adapt']} warm-up steps: step size {s['adapted']['step_size']:.3g}, diagonal "
+                          f"inverse mass matrix in [{s['adapted']['inverse_mass_matrix_range'][0]:.3g}, "
+                          f"{s['adapted']['inverse_mass_matrix_range'][1]:.3g}] ({s['adapt_s']:.2f} s)")]
+          if s.get("adapted") else []),
         ("acceptance", acceptance),
+        *([("trajectory", f"mean tree depth {s['mean_tree_depth']:.2f}, mean {s['mean_integration_steps']:.1f} "
+                          "leapfrog steps per draw")] if s.get("mean_tree_depth") is not None else
+          [("trajectory", f"{s['mean_integration_steps']:.0f} leapfrog steps per draw")]
+          if s.get("mean_integration_steps") is not None else []),
         ("divergences", f"{s['n_divergent']} ({100 * s['divergent_fraction']:.2f}% of kept steps)"),
         ("ESS bulk", "n/a (needs >= 4 kept draws)" if s["ess_bulk_min"] is None
          else f"min {s['ess_bulk_min']:.0f}, median {s['ess_bulk_median']:.0f} (over dims)"),

@@ -23,7 +23,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 SUMMARY_KEYS = {
     "sampler", "energy", "dim", "chains", "steps", "burn_in", "thin", "draws", "step_size", "dtype", "device",
     "seed", "acceptance", "n_divergent", "divergent_fraction", "ess_bulk_min", "ess_bulk_median", "ess_per_s",
-    "rhat_max", "compile_s", "sampling_s",
+    "rhat_max", "compile_s", "sampling_s", "mean_tree_depth", "mean_integration_steps", "adapt", "adapt_s", "adapted",
 }
 # The one configuration that is compiled in this file.
 COMPILED = [
@@ -156,6 +156,32 @@ def test_langevin_summary_and_marginal_plot(tmp_path, capsys):
     assert_png(png)
 
 
+@pytest.mark.parametrize("sampler", ["hmc", "nuts"])
+def test_hmc_and_nuts_adapt_then_sample(sampler, tmp_path, capsys):
+    code, out, err = run(capsys, "sample", "--energy", "gaussian", "--dim", 3, "--sampler", sampler,
+                         "--chains", 8, "--steps", 6, "--adapt", 30, "--no-compile", "--no-progress",
+                         "--dtype", "float64", "--out", tmp_path / "x.pt")
+    assert (code, err) == (0, "")
+    summary = torch.load(tmp_path / "x.pt")["summary"]
+    assert summary["adapt"] == 30 and summary["burn_in"] == 0  # the warm-up replaces burn-in
+    assert summary["step_size"] == pytest.approx(3 ** -0.25)  # the rule of thumb, where adaptation starts
+    assert summary["adapted"]["step_size"] > 0 and summary["adapted"]["step_size"] != summary["step_size"]
+    assert "adaptation   30 warm-up steps: step size" in out and "leapfrog steps per draw" in out
+    if sampler == "nuts":
+        assert summary["mean_tree_depth"] >= 1 and "mean tree depth" in out
+    else:  # ceil(sqrt(3)) leapfrog steps
+        assert summary["mean_integration_steps"] == 2 and summary["mean_tree_depth"] is None
+
+
+def test_hmc_without_adaptation_uses_the_energys_step_size(capsys, tmp_path):
+    code, out, err = run(capsys, "sample", "--energy", "harmonic", "--sampler", "hmc", "--adapt", 0, *EAGER,
+                         "--out", tmp_path / "x.pt")
+    assert (code, err) == (0, "")
+    summary = torch.load(tmp_path / "x.pt")["summary"]
+    assert summary["adapted"] is None and summary["step_size"] == cli.ENERGIES["harmonic"].step_size
+    assert summary["burn_in"] == 0  # steps // 4 with --steps 3
+
+
 def test_chunks_are_never_one_step():
     # a one-step chunk compiles a second graph in the middle of the run
     for total in range(1, 700):
@@ -172,7 +198,9 @@ BAD = {
     "unknown command": ["frobnicate"],
     "unknown option": ["sample", "--bogus"],
     "unknown energy": ["sample", "--energy", "banana"],
-    "unknown sampler": ["sample", "--sampler", "hmc"],
+    "unknown sampler": ["sample", "--sampler", "gibbs"],
+    "negative adapt": ["sample", "--sampler", "nuts", "--adapt", "-1"],
+    "adapt without a mass matrix": ["sample", "--sampler", "mala", "--adapt", "10"],
     "unknown dtype": ["sample", "--dtype", "float16"],
     "unknown device": ["sample", "--device", "tpu"],
     "zero steps": ["sample", "--steps", "0"],
