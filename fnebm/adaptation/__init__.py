@@ -5,12 +5,15 @@
 * :mod:`fnebm.adaptation.mass_matrix` — Welford's covariance, diagonal or dense, pooled over
   chains or per chain (:func:`welford`);
 * :mod:`fnebm.adaptation.window` — Stan's windowed warm-up composing them on a schedule held as
-  data (:func:`window_adaptation`, :func:`build_schedule`).
+  data (:func:`window_adaptation`, :func:`build_schedule`);
+* :mod:`fnebm.adaptation.chees` — ChEES-HMC: step size and a jittered trajectory length tuned
+  across an ensemble of chains (:func:`chees_adaptation`).
 
 This layer sits above the samplers and below :mod:`fnebm.chain`: it imports the chain runner
 only inside the function that runs a warm-up.
 """
 
+from fnebm.adaptation.chees import ChEESAdaptation, ChEESInfo, ChEESState, chees_adaptation
 from fnebm.adaptation.mass_matrix import Welford, WelfordState, welford
 from fnebm.adaptation.step_size import DualAveraging, DualAveragingState, dual_averaging
 from fnebm.adaptation.window import (
@@ -37,4 +40,8 @@ __all__ = [
     "welford",
     "Welford",
     "WelfordState",
+    "chees_adaptation",
+    "ChEESAdaptation",
+    "ChEESState",
+    "ChEESInfo",
 ]

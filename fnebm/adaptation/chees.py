@@ -40,7 +40,7 @@ from fnebm.samplers.base import check_energy
 from fnebm.samplers.hmc import HMCInfo, HMCState, build_transition
 from fnebm.samplers.hmc import init as hmc_init
 
-__all__ = ["ChEESState", "ChEESInfo", "chees_adaptation", "halton"]
+__all__ = ["ChEESState", "ChEESInfo", "ChEESAdaptation", "chees_adaptation", "halton"]
 
 TARGET_ACCEPTANCE_RATE = 0.651  # the optimal HMC acceptance (Beskos et al. 2013), as BlackJAX
 _LOG_UPDATE_CLIP = 0.35  # largest change of log T per iteration (TFP, BlackJAX)
