@@ -10,6 +10,7 @@ from fnebm.adaptation import window_adaptation
 from fnebm.chain import ChainState, sample_chain
 from fnebm.gradients import score, value_and_grad
 from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains
+from fnebm import datasets, losses
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,6 @@ __all__ = [
     "mala",
     "hmc",
     "nuts",
+    "datasets",
+    "losses",
 ]

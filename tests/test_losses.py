@@ -233,7 +233,8 @@ def test_cd_gradient_is_the_energy_difference_with_negatives_held_fixed():
     for k in params:
         torch.testing.assert_close(params[k].grad, g.params[k])
     # asked for, the gradient also flows through the chain: a different gradient, same loss value
-    g2, aux2 = torch.func.grad(L.contrastive_divergence, has_aux=True)(energy, x, fr.key(21), grad_through_sampler=True, **kw)
+    g2, aux2 = torch.func.grad(L.contrastive_divergence, has_aux=True)(energy, x, fr.key(21),
+                                                                       grad_through_sampler=True, **kw)
     assert torch.equal(aux2.negatives, aux.negatives)
     assert max((a - b).abs().max() for a, b in zip(pytree.tree_leaves(g), pytree.tree_leaves(g2))) > 1e-3
 
@@ -366,13 +367,13 @@ def test_argument_checks():
         (lambda: L.contrastive_divergence(e, x.numpy(), k), TypeError, "batch must be a torch.Tensor"),
         (lambda: L.contrastive_divergence(e, x.long(), k), TypeError, "batch must be a floating"),
         (lambda: L.contrastive_divergence(e, x[:0], k), ValueError, "batch must have shape"),
-        (lambda: L.contrastive_divergence(e, x.fill_(math.nan) if False else x * math.nan, k), ValueError, "finite"),
+        (lambda: L.contrastive_divergence(e, x * math.nan, k), ValueError, "finite"),
         (lambda: L.contrastive_divergence(e, x, fr.split(k, 2)), ValueError, "key must be one key"),
         (lambda: L.contrastive_divergence(e, x, torch.zeros(2)), TypeError, "key must have dtype"),
         (lambda: L.contrastive_divergence(e, x, k, n_steps=0), ValueError, "n_steps must be >= 1"),
         (lambda: L.contrastive_divergence(e, x, k, init="prior"), ValueError, "init must be"),
         (lambda: L.contrastive_divergence(e, x, k, init=torch.zeros(3, 5, dtype=F64)), ValueError, "init must have"),
-        (lambda: L.contrastive_divergence(e, x, k, init=torch.zeros(3, 2)), TypeError, "init must have the batch's dtype"),
+        (lambda: L.contrastive_divergence(e, x, k, init=torch.zeros(3, 2)), TypeError, "init must have the batch"),
         (lambda: L.contrastive_divergence(e, x, k, alpha=-1.0), ValueError, "alpha must be"),
         (lambda: L.contrastive_divergence(e, x, k, alpha="big"), TypeError, "alpha must be"),
         (lambda: L.contrastive_divergence(e, x, k, sampler=3), TypeError, "sampler must be callable"),
@@ -391,7 +392,7 @@ def test_argument_checks():
         (lambda: L.sliced_score_matching(e, x, k, projection="sphere"), ValueError, "projection must be"),
         (lambda: L.sliced_score_matching(e, x, k, n_projections=0), ValueError, "n_projections must be >= 1"),
         (lambda: L.sliced_score_matching(e, x, k, variance_reduction="yes"), TypeError, "variance_reduction"),
-        (lambda: L.exact_score_matching(e, x, key=torch.zeros(3, dtype=torch.int64)), ValueError, "key must have shape"),
+        (lambda: L.exact_score_matching(e, x, key=torch.zeros(3, dtype=torch.int64)), ValueError, "key must have"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):

@@ -116,7 +116,8 @@ def _check_positions(name: str, x: Any, batch: Tensor) -> Tensor:
         )
     if x.dtype != batch.dtype or x.device != batch.device:
         raise TypeError(
-            f"{name} must have the batch's dtype and device ({batch.dtype}, {batch.device}), got ({x.dtype}, {x.device})"
+            f"{name} must have the batch's dtype and device ({batch.dtype}, {batch.device}), "
+            f"got ({x.dtype}, {x.device})"
         )
     return x
 
