@@ -1,0 +1,14 @@
+"""Hand-written Triton kernels, each beside the pure-torch twin that defines it, registered as
+torch ops (``torch.ops.fnebm.*``) so they sit inside ``torch.compile`` graphs.
+
+* :mod:`fnebm.kernels.langevin_update` — the fused Langevin/MALA proposal
+  ``x' = x - h grad + noise_scale sqrt(2 h) xi`` with the noise drawn in-kernel from the
+  :mod:`fnebm.random` Philox stream (same key, same noise as the twin).
+
+The twins import without triton; the kernels and ops need it (``HAS_TRITON``). Nothing here
+is dispatched to automatically yet: see docs/kernels.md.
+"""
+
+from fnebm.kernels.langevin_update import HAS_TRITON, langevin_update, langevin_update_torch
+
+__all__ = ["HAS_TRITON", "langevin_update", "langevin_update_torch"]
