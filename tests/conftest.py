@@ -20,6 +20,11 @@ settings.load_profile("ci")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread: the tests' tensors are small (time goes to dispatch and compiling, not to
+# arithmetic), and on a 2-core machine with any neighbour process two OpenMP threads spin at
+# every barrier (measured 10-40x slower per step). FNEBM_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("FNEBM_TEST_THREADS", "1")))
+
 import fnebm
 from fnebm import energies as E
 from fnebm import random as fr
