@@ -36,3 +36,4 @@ __all__ = [
     "datasets",
     "losses",
 ]
+from fnebm import distributed  # noqa: E402  (chains across processes; the identity in one)
