@@ -1,6 +1,6 @@
 """fnebm side by side with its peers, in one process run.
 
-    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W5,RNG] [--fresh-cache]
+    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W5,W6,RNG] [--fresh-cache]
 
 Workloads (fixed, so that runs compare over time):
   W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
@@ -21,6 +21,18 @@ Workloads (fixed, so that runs compare over time):
          1,000 chains x 50 iterations x 10 leapfrog steps, eps = 0.05, identity mass matrix;
          peers: BlackJAX hmc (jit + vmap + lax.scan), TorchEBM HamiltonianMonteCarlo +
          GaussianModel (its Gaussian: a dense precision matrix)
+  W6     NUTS with window adaptation (500 warm-up + 1,000 draws), 50-D correlated Gaussian
+         (AR(1) covariance 0.9**|i-j|, mean 0; energy 0.5 x.P.x with the dense precision
+         P = inverse covariance, float32), 64 chains started at the same standard normal
+         draws, initial step size 50**-0.25 (fnebm's default), diagonal mass matrix, target
+         acceptance 0.8, max tree depth 10. Adaptation per chain in both (BlackJAX's
+         window_adaptation is one chain's: jax.vmap of warmup.run over the chains; fnebm:
+         window_adaptation(..., pooled=False)), then nuts with each chain's parameters; each
+         call does warm-up + draws (one jit for BlackJAX; two compiled calls for fnebm).
+         Reported besides the times: min over the 50 coordinates of the bulk ESS
+         (fnebm.diagnostics.ess_bulk of the (draws, chains, dim) draws), and ESS/s with compile
+         excluded (min ESS / warm time) and included (min ESS / cold time). --quick: 50 warm-up
+         + 100 draws, 8 chains.
   RNG    10**6 standard normals: fnebm.random.normal compiled vs torch.randn
 
 Every implementation keeps the whole trajectory (draws x chains x dim), as a sampler's user
@@ -352,6 +364,88 @@ def blackjax_mala_sweep(sizes, chains, steps):
     return Bench(lambda: chain(key, x0, hs).block_until_ready(), sweep, chain._cache_size)
 
 
+# ----------------------------------------------------------------------------- W6: NUTS + window adaptation
+
+W6_DIM, W6_RHO = 50, 0.9
+W6_STEP_SIZE = W6_DIM ** -0.25  # both start the warm-up here (fnebm's default)
+
+
+def _w6_precision() -> torch.Tensor:
+    """The inverse of the AR(1) covariance 0.9**|i-j| (50 x 50), computed in float64, float32."""
+    i = torch.arange(W6_DIM, dtype=torch.float64)
+    return torch.linalg.inv(W6_RHO ** (i[:, None] - i[None, :]).abs()).float()
+
+
+def _w6_start(chains: int) -> torch.Tensor:
+    return fr.normal(fr.key(0), (chains, W6_DIM))
+
+
+def _w6_energy(precision, x):
+    return 0.5 * (x @ (precision @ x))
+
+
+def fnebm_nuts_window(chains, warmup, draws):
+    import functools
+
+    energy = functools.partial(_w6_energy, _w6_precision())
+    x0 = _w6_start(chains)
+    k_warm, k_draw = fr.key(1), fr.key(2)
+    adapt = fnebm.window_adaptation(fnebm.nuts, energy, warmup, pooled=False, target_acceptance_rate=0.8,
+                                    is_mass_matrix_diagonal=True, initial_step_size=W6_STEP_SIZE)
+
+    def run():
+        state, parameters, _ = adapt.run(x0, k_warm)
+        alg = fnebm.nuts(energy, **parameters)
+        return fnebm.sample_chain(alg.step, state, k_draw, draws, progress=False)[1]  # (draws, chains, d)
+
+    return run
+
+
+def blackjax_nuts_window(chains, warmup, draws):
+    jax, jnp = _jax()
+    blackjax = _blackjax()
+    precision = jnp.asarray(_w6_precision().numpy())
+
+    def logdensity(x):
+        return -0.5 * (x @ (precision @ x))
+
+    adapt = blackjax.window_adaptation(blackjax.nuts, logdensity, is_mass_matrix_diagonal=True,
+                                       initial_step_size=W6_STEP_SIZE, target_acceptance_rate=0.8)
+    kernel = blackjax.nuts.build_kernel()
+
+    @jax.jit
+    def chain(key, x0):
+        k_warm, k_draw = jax.random.split(key)
+
+        def warm_one(k, x):  # one chain's warm-up: BlackJAX's window_adaptation is per chain
+            (state, parameters), _ = adapt.run(k, x, num_steps=warmup)
+            return state, parameters
+
+        states, parameters = jax.vmap(warm_one)(jax.random.split(k_warm, chains), x0)
+
+        def step_one(k, s, p):
+            return kernel(k, s, logdensity, p["step_size"], p["inverse_mass_matrix"])[0]
+
+        def body(s, k):
+            s = jax.vmap(step_one)(jax.random.split(k, chains), s, parameters)
+            return s, s.position
+
+        return jax.lax.scan(body, states, jax.random.split(k_draw, draws))[1]  # (draws, chains, d)
+
+    key = jax.random.key(3)
+    x0 = jnp.asarray(_w6_start(chains).numpy())
+    return lambda: chain(key, x0).block_until_ready()
+
+
+def _min_ess_bulk(trace) -> float:
+    """Min over coordinates of the bulk ESS of a (draws, chains, dim) trace (torch or JAX)."""
+    import numpy as np
+
+    if not isinstance(trace, torch.Tensor):
+        trace = torch.from_numpy(np.array(trace))  # a writable copy
+    return float(fnebm.diagnostics.ess_bulk(trace.float(), layout="draws_chains").min())
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
@@ -403,6 +497,14 @@ WORKLOADS = {
         full=dict(sizes=16, chains=1_024, steps=200),
         quick=dict(sizes=16, chains=64, steps=20),
     ),
+    "W6": dict(
+        title="NUTS + window adaptation, 50-D AR(1) Gaussian (rho 0.9), {chains} chains, {warmup} warm-up + {draws} draws",
+        ours=("fnebm", fnebm_nuts_window),
+        peers=[("BlackJAX", blackjax_nuts_window)],
+        full=dict(chains=64, warmup=500, draws=1_000),
+        quick=dict(chains=8, warmup=50, draws=100),
+        ess=True,  # run() returns the (draws, chains, dim) trace; rows get min bulk ESS and ESS/s
+    ),
     "RNG": dict(
         title="{n} standard normals (float32)",
         ours=("fnebm", fnebm_normal),
@@ -434,7 +536,14 @@ def run_workload(name, spec, quick, repeats):
     live = [(row, b) for row, b in zip(rows, benches) if b is not None]
     # cold: each implementation's first call, alone (compilation included)
     for row, b in live:
-        row["cold_s"] = _time(b.run)
+        if spec.get("ess"):  # the draws of the first call (the same key every call: the same draws)
+            t0 = time.perf_counter()
+            trace = b.run()
+            row["cold_s"] = time.perf_counter() - t0
+            row["ess_min"] = _min_ess_bulk(trace)
+            del trace
+        else:
+            row["cold_s"] = _time(b.run)
     # second sweep: the first call with new parameter values, and whether it compiled
     for row, b in live:
         if b.sweep is not None:
@@ -457,6 +566,9 @@ def run_workload(name, spec, quick, repeats):
     for row, b in live:
         row["warm_s"] = statistics.median(warm[id(b)])
         row["warm_all_s"] = warm[id(b)]
+        if "ess_min" in row:
+            row["ess_per_s_warm"] = row["ess_min"] / row["warm_s"]
+            row["ess_per_s_cold"] = row["ess_min"] / row["cold_s"]
         if ours:
             row["ratio"], row["delta_s"] = _pairs(warm[id(b)], ours)
         if id(b) in sweeps:
@@ -550,6 +662,17 @@ def main(argv=None):
         for row in rows:
             print(_fmt(row, sweep))
         print(f"  ratio: median over rounds of (row's time / {first}'s time in the same round)")
+        if any("ess_min" in row for row in rows):
+            print(f"  {'impl':<24} {'min ESS':>9} {'ESS/s warm':>11} {'ESS/s cold':>11} {'ESS/s ratio':>12}")
+            ours_rate = rows[0].get("ess_per_s_warm")
+            for row in rows:
+                if "ess_min" in row:
+                    vs = f"{ours_rate / row['ess_per_s_warm']:>11.2f}x" if ours_rate else ""
+                    print(f"  {row['impl']:<24} {row['ess_min']:>9.0f} {row['ess_per_s_warm']:>11.1f} "
+                          f"{row['ess_per_s_cold']:>11.1f} {vs}")
+            print("  min ESS: min over coordinates of the bulk ESS of the draws; ESS/s warm = min ESS / warm "
+                  "(compile excluded), cold = min ESS / cold (compile included); ESS/s ratio = "
+                  f"{first}'s ESS/s warm / the row's (> 1: {first} better)")
         if name == "W1out" and "delta_s" in rows[-1]:
             print(f"  out= saves {rows[-1]['delta_s'] * 1e3:.2f} ms per call (median of per-round differences)")
         results.append(dict(workload=name, title=title, rows=rows))
