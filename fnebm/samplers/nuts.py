@@ -44,6 +44,12 @@ subtree's running momentum sum, and the previous momentum and its velocity for S
 check), so a U-turn check is a handful of batched dot products, never a matrix product: the
 velocities are stored when computed. One gradient per leapfrog step: the state caches the
 energy and gradient at the position, and so does every point of the trajectory.
+
+The loop's carry is six tensors (the iteration, and the per-chain integers, flags, scalars,
+points and checkpoints each stacked into one): Inductor's compiled loop allocates, checks and
+passes every carry entry on every iteration, in Python, and with 36 separate entries that
+overhead rivalled the arithmetic at tens of chains. The body unpacks them into views and
+stacks its results back; the arithmetic, and so every draw, is unchanged.
 """
 
 from __future__ import annotations
@@ -171,17 +177,27 @@ def build_kernel(
         def wide(mask: Tensor) -> Tensor:  # a per-chain mask against (*chains, d)
             return mask.reshape(mask.shape + (1,) * n_event)
 
-        def cond(i, active, *rest):
-            return active.any()
+        # The loop's carry is packed into six tensors (fewer buffers for the compiled loop to
+        # allocate and copy per iteration); the body unpacks them into views and restacks them:
+        #   ints (3, *chains): k (expansion), n (step in the subtree), steps (gradients so far)
+        #   flags (4, *chains): active, fwd (direction), diverged, turned
+        #   scalars (9, *chains): u, uf, pu, ph, pw, su, sh, sw (potential energies, H and log
+        #     weights below) and accept_sum
+        #   points (14, *chains, d): x, p, g, v, xf, pf, gf, vf, px, pg, sx, sg, tree_sum, sub_sum
+        #   ck (5, depth, *chains, d): checkpoints of p, v, the subtree sum, the previous p and v
+        def cond(i, ints, flags, scalars, points, ck):
+            return flags[0].any()
 
-        def body(i, active, k, n, fwd,
-                 x, p, u, g, v,  # the point integration continues from (its velocity v = M^{-1} p)
-                 xf, pf, uf, gf, vf,  # the trajectory's other edge
-                 px, pu, pg, ph, pw,  # the tree's proposal, its H and the tree's log weight
-                 sx, su, sg, sh, sw,  # the subtree's proposal, its H and the subtree's log weight
-                 tree_sum, sub_sum,  # momentum sums of the merged tree and of the subtree
-                 r_ck, v_ck, s_ck, q_ck, w_ck,  # checkpoints: p, v, subtree sum, previous p and v
-                 accept_sum, steps, diverged, turned):
+        def body(i, ints, flags, scalars, points, ck):
+            k, n, steps = ints.unbind(0)
+            active, fwd, diverged, turned = flags.unbind(0)
+            u, uf, pu, ph, pw, su, sh, sw, accept_sum = scalars.unbind(0)
+            # x, p, g, v: the point integration continues from (its velocity v = M^{-1} p);
+            # xf, pf, gf, vf: the trajectory's other edge; px, pg (pu, ph, pw): the tree's proposal,
+            # its H and the tree's log weight; sx, sg (su, sh, sw): the subtree's; tree_sum,
+            # sub_sum: momentum sums of the merged tree and of the subtree
+            x, p, g, v, xf, pf, gf, vf, px, pg, sx, sg, tree_sum, sub_sum = points.unbind(0)
+            r_ck, v_ck, s_ck, q_ck, w_ck = ck.unbind(0)  # checkpoints: p, v, subtree sum, previous p and v
             draws = fr.uniform(fr.fold_in(k_traj, i), (3,), dtype)
             u_sub, u_merge, u_dir = draws[..., 0], draws[..., 1], draws[..., 2]
 
@@ -265,29 +281,24 @@ def build_kernel(
             u = torch.where(keep, nu, u)
             diverged = diverged | divergent
             turned = turned | sub_turning | tree_turning
-            return (i + 1, active & ~done, k, n, new_fwd, x, p, u, g, v, xf, pf, uf, gf, vf,
-                    px, pu, pg, ph, pw, sx, su, sg, sh, sw, tree_sum, sub_sum,
-                    r_ck, v_ck, s_ck, q_ck, w_ck, accept_sum, steps, diverged, turned)
+            return (i + 1, torch.stack((k, n, steps)), torch.stack((active & ~done, new_fwd, diverged, turned)),
+                    torch.stack((u, uf, pu, ph, pw, su, sh, sw, accept_sum)),
+                    torch.stack((x, p, g, v, xf, pf, gf, vf, px, pg, sx, sg, tree_sum, sub_sum)),
+                    torch.stack((r_ck, v_ck, s_ck, q_ck, w_ck)))
 
-        def zeros(shape=batch, dt=dtype):
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        def ones(shape=batch, dt=torch.bool):
-            return torch.ones(shape, dtype=dt, device=device)
-
-        def point():  # the start, as a fresh copy: no two carry entries alias
-            return tuple(t.clone() for t in (x0, p0, state.energy, state.grad, v0))
-
-        ck = (depth,) + tuple(x0.shape)
-        x, _, u, g, _ = point()
-        x_, _, u_, g_, _ = point()
-        carry = (zeros((), torch.int64), ones(), zeros(dt=torch.int64), zeros(dt=torch.int64), ones(),
-                 *point(), *point(), x, u, g, h0.clone(), zeros(), x_, u_, g_, h0.clone(), zeros(),
-                 p0.clone(), torch.zeros_like(p0), *(zeros(ck) for _ in range(5)),
-                 zeros(), zeros(dt=torch.int64), zeros(dt=torch.bool), zeros(dt=torch.bool))
-        out = while_loop(cond, body, carry)
-        k, px, pu, pg, ph = out[2], out[15], out[16], out[17], out[18]
-        accept_sum, steps, diverged, turned = out[-4:]
+        zero, one = torch.zeros(batch, dtype=dtype, device=device), torch.ones(batch, dtype=torch.bool, device=device)
+        ints = torch.zeros((3,) + tuple(batch), dtype=torch.int64, device=device)
+        flags = torch.stack((one, one, ~one, ~one))
+        scalars = torch.stack((state.energy, state.energy, state.energy, h0, zero, state.energy, h0, zero, zero))
+        points = torch.stack((x0, p0, state.grad, v0, x0, p0, state.grad, v0, x0, state.grad, x0, state.grad, p0,
+                              torch.zeros_like(p0)))
+        ck = torch.zeros((5, depth) + tuple(x0.shape), dtype=dtype, device=device)
+        out = while_loop(cond, body, (torch.zeros((), dtype=torch.int64, device=device), ints, flags, scalars,
+                                      points, ck))
+        k, _, steps = out[1].unbind(0)
+        _, _, diverged, turned = out[2].unbind(0)
+        _, _, pu, ph, _, _, _, _, accept_sum = out[3].unbind(0)
+        px, pg = out[4][8], out[4][9]
         info = NUTSInfo(accept_sum / steps.clamp_min(1).to(dtype), diverged, turned, ph - h0, k + 1, steps)
         return NUTSState(px, pu, pg), info
 
