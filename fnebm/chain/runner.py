@@ -25,9 +25,11 @@ from fnebm.chain.loop import loop
 
 __all__ = ["RunnerCache", "default_cache", "code_key"]
 
-# Inductor does not put graphs holding a scan in its on-disk FX graph cache unless told the
-# operator is safe to cache; the scan's body is part of the graph it hashes, so it is.
-_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__}}
+# Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
+# in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
+# the graph it hashes, so it is.
+_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__,
+                                                          "torch.ops.higher_order.while_loop": torch.__version__}}
 
 _IDS = itertools.count()
 
