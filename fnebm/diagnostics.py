@@ -150,6 +150,33 @@ def _mean_autocov(x: Tensor) -> Tensor:
     return torch.fft.irfft(power, n=2 * n)[..., :n] / n
 
 
+def _geyer_ess(rho: Tensor, c: int, n: int) -> Tensor:
+    """ESS of ``c`` chains of ``n`` draws from the autocorrelations ``rho: (D, N)`` (lag 0 pinned
+    to 1), with Geyer's initial positive and initial monotone sequences as ArviZ's ``_ess``."""
+    # Pair sums P_j = rho[2j] + rho[2j+1]; ArviZ's loop can reach j = jmax (t < N - 3).
+    jmax = max(0, (n - 3) // 2)
+    pairs = rho[:, 0 : 2 * jmax + 2 : 2] + rho[:, 1 : 2 * jmax + 2 : 2]  # (D, jmax + 1)
+    pairs = torch.where(pairs.abs() <= _PAIR_TIE_TOL, 0.0, pairs)  # ties: see _PAIR_TIE_TOL
+    # Loop iteration j runs while every earlier pair sum is > 0 (NaN stops it too).
+    n_pos = (pairs[:, :jmax] > 0).to(torch.int64).cumprod(-1).sum(-1, keepdim=True)
+    keep = torch.arange(jmax + 1, device=rho.device) < n_pos
+    # Initial monotone sequence: each kept pair sum is capped by the previous one.
+    head = torch.where(keep, pairs.cummin(-1).values, 0.0).sum(-1)
+    # The pair where the loop stopped contributes its even lag when ArviZ stored it
+    # (pair sum >= 0) or its "improve estimation" step did (even lag > 0).
+    rho_last = rho.gather(-1, 2 * n_pos).squeeze(-1)
+    pair_last = pairs.gather(-1, n_pos).squeeze(-1)
+    last = torch.where((rho_last > 0) | (pair_last >= 0), rho_last, 0.0)
+    tau = -1.0 + 2.0 * head + last
+
+    total = c * n
+    floor = 1 / math.log10(total)
+    tau = torch.where(floor > tau, floor, tau)  # Python max(tau, floor): NaN tau stays NaN
+    out = total / tau
+    out = torch.where(pairs[:, 0].isnan(), torch.nan, out)
+    return out
+
+
 def _ess_rows(x: Tensor) -> Tensor:
     """ESS of ``x: (D, C, N)`` (ArviZ ``_ess``) with Geyer's initial positive and initial
     monotone sequences, vectorised: ArviZ's two while-loops become a count of leading
@@ -167,28 +194,7 @@ def _ess_rows(x: Tensor) -> Tensor:
     rho = 1.0 - (mean_var[:, None] - acov) / var_plus[:, None]  # (D, N)
     rho = torch.cat([torch.ones_like(rho[:, :1]), rho[:, 1:]], dim=-1)  # ArviZ pins lag 0 to 1
 
-    # Pair sums P_j = rho[2j] + rho[2j+1]; ArviZ's loop can reach j = jmax (t < N - 3).
-    jmax = max(0, (n - 3) // 2)
-    pairs = rho[:, 0 : 2 * jmax + 2 : 2] + rho[:, 1 : 2 * jmax + 2 : 2]  # (D, jmax + 1)
-    pairs = torch.where(pairs.abs() <= _PAIR_TIE_TOL, 0.0, pairs)  # ties: see _PAIR_TIE_TOL
-    # Loop iteration j runs while every earlier pair sum is > 0 (NaN stops it too).
-    n_pos = (pairs[:, :jmax] > 0).to(torch.int64).cumprod(-1).sum(-1, keepdim=True)
-    keep = torch.arange(jmax + 1, device=x.device) < n_pos
-    # Initial monotone sequence: each kept pair sum is capped by the previous one.
-    head = torch.where(keep, pairs.cummin(-1).values, 0.0).sum(-1)
-    # The pair where the loop stopped contributes its even lag when ArviZ stored it
-    # (pair sum >= 0) or its "improve estimation" step did (even lag > 0).
-    rho_last = rho.gather(-1, 2 * n_pos).squeeze(-1)
-    pair_last = pairs.gather(-1, n_pos).squeeze(-1)
-    last = torch.where((rho_last > 0) | (pair_last >= 0), rho_last, 0.0)
-    tau = -1.0 + 2.0 * head + last
-
-    total = c * n
-    floor = 1 / math.log10(total)
-    tau = torch.where(floor > tau, floor, tau)  # Python max(tau, floor): NaN tau stays NaN
-    out = total / tau
-    out = torch.where(pairs[:, 0].isnan(), torch.nan, out)
-    return torch.where(constant, float(total), out)
+    return torch.where(constant, float(c * n), _geyer_ess(rho, c, n))
 
 
 def _rhat_rank_rows(x: Tensor) -> Tensor:

@@ -328,24 +328,7 @@ def _ess_rows(x: Tensor, ctx: _Ctx) -> Tensor:
     rho = 1.0 - (mean_var[:, None] - acov) / var_plus[:, None]
     rho = torch.cat([torch.ones_like(rho[:, :1]), rho[:, 1:]], dim=-1)
 
-    # From here on, fnebm.diagnostics._ess_rows line for line.
-    jmax = max(0, (n - 3) // 2)
-    pairs = rho[:, 0 : 2 * jmax + 2 : 2] + rho[:, 1 : 2 * jmax + 2 : 2]
-    pairs = torch.where(pairs.abs() <= fd._PAIR_TIE_TOL, 0.0, pairs)
-    n_pos = (pairs[:, :jmax] > 0).to(torch.int64).cumprod(-1).sum(-1, keepdim=True)
-    keep = torch.arange(jmax + 1, device=x.device) < n_pos
-    head = torch.where(keep, pairs.cummin(-1).values, 0.0).sum(-1)
-    rho_last = rho.gather(-1, 2 * n_pos).squeeze(-1)
-    pair_last = pairs.gather(-1, n_pos).squeeze(-1)
-    last = torch.where((rho_last > 0) | (pair_last >= 0), rho_last, 0.0)
-    tau = -1.0 + 2.0 * head + last
-
-    total = c * n
-    floor = 1 / math.log10(total)
-    tau = torch.where(floor > tau, floor, tau)
-    out = total / tau
-    out = torch.where(pairs[:, 0].isnan(), torch.nan, out)
-    return torch.where(constant, float(total), out)
+    return torch.where(constant, float(c * n), fd._geyer_ess(rho, c, n))
 
 
 def _rhat_rank_rows(x: Tensor, ctx: _Ctx) -> Tensor:

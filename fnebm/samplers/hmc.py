@@ -170,16 +170,9 @@ def _masked_trajectory(start: IntegratorState, n: Tensor, h: Tensor, vg, velocit
     return IntegratorState(x, p, e, g)
 
 
-_kernels: dict = {}
-
-
-def _kernel_for(integrator: tuple[float, ...], divergence_threshold: float):
-    # one kernel per (integrator, threshold): the runner cache keys graphs by the kernel's
-    # code and Dynamo guards these closure constants, so each pair gets its own graph
-    key = (tuple(integrator), float(divergence_threshold))
-    if key not in _kernels:
-        _kernels[key] = build_kernel(*key)
-    return _kernels[key]
+# one kernel object per (integrator, threshold), built once: the runner cache keys compiled
+# graphs by the kernel's code and closure constants, so equal configurations share a graph
+_kernel_for = functools.cache(build_kernel)
 
 
 def hmc(
