@@ -12,6 +12,7 @@ from fnebm import diagnostics
 from fnebm import energies as E
 from fnebm import random as fr
 from fnebm.adaptation.chees import chees_adaptation, halton
+from fnebm.integrators.metrics import Dense, Diagonal
 
 F64 = torch.float64
 Z = 4.5
@@ -91,6 +92,7 @@ def test_compiled_warm_up_equals_eager(adapted, counted):
     (dict(num_steps=5, learning_rate=0.0), (8, 2), ValueError, "learning_rate must be > 0"),
     (dict(num_steps=5, initial_step_size=torch.ones(3, dtype=F64)), (8, 2), ValueError, "one value"),
     (dict(num_steps=5, inverse_mass_matrix=torch.ones(8, 2, dtype=F64)), (8, 2), ValueError, "shared"),
+    (dict(num_steps=5, inverse_mass_matrix=Diagonal(torch.ones(8, 2, dtype=F64))), (8, 2), ValueError, "shared"),
     (dict(num_steps=5), (1, 2), ValueError, "at least 2"),
     (dict(num_steps=5), (2,), ValueError, r"\(chains, d\)"),
 ])
@@ -98,3 +100,12 @@ def test_bad_input_raises(kwargs, positions, exc, match):
     target = E.gaussian(torch.zeros(2, dtype=F64), torch.eye(2, dtype=F64))
     with pytest.raises(exc, match=match):
         chees_adaptation(target, **kwargs).run(torch.zeros(positions, dtype=F64), fr.key(0))
+
+
+def test_a_wrapped_mass_matrix_is_read_as_its_tensor():
+    target = E.gaussian(torch.zeros(2, dtype=F64), torch.tensor([[1.0, 0.5], [0.5, 2.0]], dtype=F64))
+    x0 = fr.normal(fr.key(5), (8, 2), F64)
+    cov = torch.tensor([[1.0, 0.5], [0.5, 2.0]], dtype=F64)
+    a = chees_adaptation(target, 4, inverse_mass_matrix=Dense(cov), compile=False).run(x0, fr.key(6))
+    b = chees_adaptation(target, 4, inverse_mass_matrix=cov, compile=False).run(x0, fr.key(6))
+    torch.testing.assert_close(a[0].position, b[0].position, rtol=0, atol=0)

@@ -34,7 +34,7 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm import random as fr
 from fnebm.adaptation.step_size import DualAveragingState, dual_averaging
-from fnebm.integrators.metrics import check_inverse_mass_matrix
+from fnebm.integrators.metrics import Dense, Diagonal, check_inverse_mass_matrix
 from fnebm.integrators.symplectic import velocity_verlet
 from fnebm.samplers.base import check_energy
 from fnebm.samplers.hmc import HMCInfo, HMCState, build_transition
@@ -220,9 +220,11 @@ def chees_adaptation(
         if initial_step_size.ndim:
             raise ValueError("initial_step_size must be one value: ChEES adapts one step size for the ensemble")
     if inverse_mass_matrix is not None:
-        inverse_mass_matrix = check_inverse_mass_matrix(inverse_mass_matrix)
-        if inverse_mass_matrix.ndim not in (1, 2) or (inverse_mass_matrix.ndim == 2 and
-                                                      inverse_mass_matrix.shape[0] != inverse_mass_matrix.shape[1]):
+        wrapped = check_inverse_mass_matrix(inverse_mass_matrix)
+        inverse_mass_matrix = getattr(wrapped, "inverse_mass_matrix", wrapped)  # Diagonal/Dense unwrapped
+        expected = 2 if isinstance(wrapped, Dense) else 1 if isinstance(wrapped, Diagonal) else inverse_mass_matrix.ndim
+        if expected not in (1, 2) or inverse_mass_matrix.ndim != expected or (
+                expected == 2 and inverse_mass_matrix.shape[0] != inverse_mass_matrix.shape[1]):
             raise ValueError("inverse_mass_matrix must be shared by the chains: (d,) or (d, d)")
     transition = build_transition(tuple(integrator), float(divergence_threshold))
     da = dual_averaging(target_acceptance_rate)
