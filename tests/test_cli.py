@@ -251,7 +251,7 @@ def test_unwritable_directory_is_refused_before_sampling(tmp_path, capsys, monke
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cli, "_run", lambda cfg: pytest.fail("sampled despite an unwritable directory"))
+    monkeypatch.setattr(cli.sample, "_run", lambda cfg: pytest.fail("sampled despite an unwritable directory"))
     monkeypatch.setattr(cli.tempfile, "mkstemp", refuse)
     code, _, err = run(capsys, "sample", "--plot", tmp_path / "x.png")
     assert code == 2 and "is not writable" in err
@@ -294,7 +294,7 @@ def test_failed_write_leaves_old_files_and_no_temporaries(error, monkeypatch, tm
         f.write(b"partial")
         raise error
 
-    monkeypatch.setattr(cli, "plot", fail)
+    monkeypatch.setattr(cli.sample, "plot", fail)
     argv = ["sample", *EAGER, "--out", out, "--plot", png]
     if isinstance(error, OSError):  # an I/O failure: one line, exit 1
         code, _, err = run(capsys, *argv)

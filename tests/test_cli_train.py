@@ -192,7 +192,7 @@ def test_a_failure_while_writing_leaves_the_old_files(tmp_path, capsys, monkeypa
         f.write(b"half a png")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cli, "plot_training", broken)
+    monkeypatch.setattr(cli.train, "plot_training", broken)
     code, _, err = run(capsys, *TINY, "--steps", 1, "--out", out, "--plot", png)
     assert code == 1 and "No space left on device" in err
     assert out.read_bytes() == b"old checkpoint" and not png.exists()

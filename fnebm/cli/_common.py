@@ -1,0 +1,124 @@
+"""What every ``fnebm`` subcommand shares: its errors (one line on stderr), device and
+output-path checks, and atomic writes of the files it produces."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import torch
+
+PROG = "fnebm"
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class UsageError(Exception):
+    """A bad argument: one line on stderr, exit status 2."""
+
+
+class RunError(Exception):
+    """A failure after the arguments were accepted (e.g. a write failed): exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage over several lines and exit
+        raise UsageError(message)
+
+
+def _one_line(message: Any) -> str:
+    return " ".join(str(message).split()) or "unknown error"
+
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        raise UsageError(f"--device {name}: no {dev.type} device on this machine (use cpu or cuda)")
+    return dev
+
+
+def _destination(flag: str, path: str) -> str:
+    """The file ``path`` will replace (symlinks followed), or UsageError; probes the directory."""
+    if not path:
+        raise UsageError(f"{flag}: empty path")
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        raise UsageError(f"{flag} {path}: is a directory")
+    if os.path.lexists(real) and not os.path.isfile(real):
+        raise UsageError(f"{flag} {path}: exists and is not a regular file")
+    parent = os.path.dirname(real)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: directory {os.path.dirname(path) or '.'} does not exist")
+    try:  # os.access is wrong for root and for read-only mounts: try what the write will do
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".fnebm-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: directory {os.path.dirname(path) or '.'} is not writable ({e.strerror})") from None
+    return real
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _fmt(x: float | None, spec: str = ".3g", missing: str = "n/a (needs >= 4 kept draws)") -> str:
+    return missing if x is None else format(x, spec)
+
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(files: list[tuple[str, Callable[[BinaryIO], None]]]) -> None:
+    """Write each ``(path, write)`` to a temporary file beside ``path``; once all are complete,
+    ``os.replace`` each onto its path. If a write fails, every temporary file is removed and
+    no ``path`` is touched; an existing file is only ever replaced by a complete one."""
+    temps: list[tuple[str, str]] = []
+    mode = 0o666 & ~_umask()  # mkstemp makes 0600 files; give what open() would
+    try:
+        for path, write in files:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+            temps.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
