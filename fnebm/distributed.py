@@ -37,12 +37,28 @@ Every rank of the group must call a diagnostic together (they are collectives), 
 of the same number of draws and event shape. Without a process group (or with one process)
 each function is the one in :mod:`fnebm.diagnostics`, so one script runs under ``python``
 and under ``torchrun --nproc-per-node 2``.
+
+**Training across ranks** (data parallelism). The unit of randomness is the *example*: the
+global batch of ``n`` examples at training step ``t`` takes the keys ``split(fold_in(key, t),
+n)``, and rank ``r`` holds the examples ``chain_slice(n)`` of the batch with their keys
+(:func:`step_keys`) and their persistent chains (one chain per example). :func:`per_example`
+evaluates a loss with one key per example (each example a batch of one, ``vmap``-ed), so the
+noise an example gets depends on its global index only, never on the number of ranks: two
+ranks draw exactly what one process draws for the combined batch. The gradients are then
+averaged across ranks, weighted by each rank's number of examples (:func:`all_reduce_mean`,
+for ``torch.func.grad`` over a parameter pytree), or by ``DistributedDataParallel`` /
+``fully_shard`` for an ``nn.Module`` (docs/distributed.md). :func:`save_checkpoint` writes the
+replicated state once (rank 0) and each rank's chains; :func:`load_checkpoint` reads them back
+on the same number of ranks, or re-shards the chains onto another.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import os
+import uuid
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -52,6 +68,7 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import diagnostics as fd
+from fnebm import losses as fl
 from fnebm import random as fr
 
 __all__ = [
@@ -72,6 +89,12 @@ __all__ = [
     "acceptance_summary",
     "summary",
     "summary_table",
+    "step_keys",
+    "per_example",
+    "per_example_pcd_init",
+    "all_reduce_mean",
+    "save_checkpoint",
+    "load_checkpoint",
 ]
 
 _F64 = torch.float64
@@ -498,3 +521,275 @@ def summary_table(
         acc.pop("per_chain_acceptance_rate", None)
         sampler = {k: v if isinstance(v, int) else float(v) for k, v in acc.items()}
     return fd.SummaryTable(labels, fd._COLUMNS, values, sampler)
+
+
+# ------------------------------------------------------------------------ training
+
+
+def step_keys(key: Tensor, step: int | Tensor, n_examples: int, *, group: Any = None) -> Tensor:
+    """This rank's per-example keys for training step ``step``: ``(local_examples, 2)``.
+
+    ``local_keys(fold_in(key, step), n_examples)``: example ``i`` of the global batch of
+    ``n_examples`` takes ``split(fold_in(key, step), n_examples)[i]``, and this rank holds the
+    examples ``chain_slice(n_examples)``. The rank is not folded in: an example's key depends on
+    its global index and the step only, so the sharded run draws what one process draws for the
+    combined batch. ``step``: an int or an integer tensor (a 0-dim step counter).
+    """
+    fr.check_key(key)
+    if key.shape != (2,):
+        raise ValueError(f"key must be one key of shape (2,), got shape {tuple(key.shape)}")
+    return local_keys(fr.fold_in(key, step), n_examples, group=group)
+
+
+def _one_example(loss: Callable, energy: Any, x: Tensor, key: Tensor, *state: Any) -> tuple[Tensor, Any]:
+    return loss(energy, x[None], key, *state)
+
+
+def per_example(loss: Callable[..., tuple[Tensor, Any]]) -> Callable[..., tuple[Tensor, Any]]:
+    """A loss with one key per example: ``f(energy, batch, keys, *state) -> (loss, aux)``.
+
+    ``loss`` is an :mod:`fnebm.losses` loss ``loss(energy, batch, key, *state) -> (value, aux)``
+    with its options bound (``functools.partial(losses.persistent_contrastive_divergence,
+    n_steps=5)``). In ``f``, example ``i`` is ``loss(energy, batch[i:i+1], keys[i], *state_i)``,
+    a batch of one with its own key and its own rows ``state_i`` of each state leaf (for
+    persistent CD, its own chain: :func:`per_example_pcd_init`), all ``vmap``-ed over the
+    examples in one call. ``f`` returns the mean of the examples' values and their ``aux``
+    stacked (leaves ``(n, ...)``: each example's ``aux`` for a batch of one, so ``aux.state``
+    is the next call's state).
+
+    ``batch: (n, *event)``, ``keys: (n, 2)`` (:func:`step_keys`), each state leaf ``(n, ...)``.
+    The losses are means over examples, so the mean of ``n`` batches of one is the loss of the
+    batch (CD's negatives: one chain per example). Used on every rank and in one process alike:
+    it communicates nothing. Under ``torch.compile`` the sampler loop must unroll (the losses'
+    default ``unroll=None`` does): on torch 2.13 a ``scan`` cannot run under ``vmap``.
+    """
+    _checks.check_callable("loss", loss, "loss(energy, batch, key, *state) -> (value, aux), e.g. an fnebm.losses loss")
+
+    def f(energy: Any, batch: Tensor, keys: Tensor, *state: Any) -> tuple[Tensor, Any]:
+        if not isinstance(batch, Tensor) or batch.ndim < 1 or batch.shape[0] == 0:
+            raise ValueError(f"batch must be a tensor (n, *event) with n >= 1, got "
+                             f"{tuple(batch.shape) if isinstance(batch, Tensor) else type(batch).__name__}")
+        _checks.check_key(keys, "keys")
+        n = batch.shape[0]
+        if keys.shape != (n, 2):
+            raise ValueError(f"keys must be one key per example, shape ({n}, 2), got {tuple(keys.shape)}")
+        for leaf in pytree.tree_leaves(state):
+            if isinstance(leaf, Tensor) and (leaf.ndim == 0 or leaf.shape[0] != n):
+                raise ValueError(f"every state leaf must lead with the {n} examples, got shape {tuple(leaf.shape)}")
+        one = functools.partial(_one_example, loss)
+        values, aux = torch.func.vmap(one, in_dims=(None, 0, 0, *(0,) * len(state)))(energy, batch, keys, *state)
+        return values.mean(), aux
+
+    return f
+
+
+def per_example_pcd_init(positions: Tensor, buffer_size: int = 0) -> fl.PCDState:
+    """Persistent chains for :func:`per_example`: one chain per example, each with its own ring
+    of ``buffer_size`` replay entries (``0``: none).
+
+    ``positions: (n, *event)`` (e.g. noise, for the global batch, then :func:`shard`; or this
+    rank's rows drawn from :func:`local_keys`). Returns a :class:`fnebm.losses.PCDState` with a
+    leading example axis: ``positions (n, 1, *event)``, ``buffer (n, buffer_size, *event)``,
+    ``count (n,)``, ``pointer (n,)`` — ``vmap`` of :func:`fnebm.losses.pcd_init` over the
+    examples. A chain restarts from its own past positions (not from other chains'), which is
+    what keeps a run independent of how the chains are spread over ranks.
+    """
+    if not isinstance(positions, Tensor) or not positions.is_floating_point():
+        raise TypeError(f"positions must be a floating tensor (n, *event), got {type(positions).__name__}")
+    if positions.ndim < 1 or positions.shape[0] == 0:
+        raise ValueError(f"positions must have shape (n, *event) with n >= 1, got {tuple(positions.shape)}")
+    buffer_size = _checks.check_int("buffer_size", buffer_size, 0)
+    if _checks.is_concrete(positions) and not bool(torch.isfinite(positions).all()):
+        raise ValueError("positions must be finite (no NaN or inf)")
+    return torch.func.vmap(functools.partial(_pcd_init_one, buffer_size))(positions)
+
+
+def _pcd_init_one(buffer_size: int, x: Tensor) -> fl.PCDState:
+    return fl.pcd_init(x[None], buffer_size)
+
+
+def all_reduce_mean(tree: Any, *, weight: int | float | Tensor | None = None, group: Any = None) -> Any:
+    """Across ranks, the mean of every tensor leaf of ``tree`` (e.g. gradients), on every rank.
+
+    ``weight=None``: the plain mean over ranks. ``weight=n_local`` (this rank's number of
+    examples): ``sum_r n_r x_r / sum_r n_r`` — with each rank's gradient the mean over its own
+    examples, that is the gradient of the mean over the global batch, however unevenly the
+    examples are spread. Leaves of one dtype and device travel in one ``all_reduce``; non-tensor
+    leaves pass through. The identity (the same object) without a process group. Call it
+    outside compiled code, between the gradient and the optimiser.
+    """
+    if weight is not None:
+        if isinstance(weight, Tensor):
+            if weight.ndim != 0 or weight.dtype == torch.bool:
+                raise TypeError(f"weight must be a number or a 0-dim numeric tensor, got shape {tuple(weight.shape)}")
+        else:
+            w = _checks.check_real("weight", weight)
+            if not (0 <= w < math.inf):
+                raise ValueError(f"weight must be a finite number >= 0, got {w}")
+    leaves, spec = pytree.tree_flatten(tree)
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+    for i in tensors:
+        if not (leaves[i].is_floating_point() or leaves[i].is_complex()):
+            raise TypeError(f"all_reduce_mean averages floating tensors, got a leaf of dtype {leaves[i].dtype}")
+    if not is_distributed(group):
+        return tree
+    if not tensors:
+        return tree
+    dist = _dist()
+    device = leaves[tensors[0]].device
+    if weight is None:
+        total = None
+    else:
+        w_t = torch.as_tensor(weight, dtype=_F64, device=device).reshape(())
+        total = _all_reduce(w_t, "sum", group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i in tensors:
+        buckets.setdefault((leaves[i].dtype, leaves[i].device), []).append(i)
+    out = list(leaves)
+    for (dtype, dev), idx in buckets.items():
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        if total is None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat = flat / world_size(group)
+        else:
+            flat = flat * w_t.to(device=dev, dtype=dtype)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat = flat / total.to(device=dev, dtype=dtype)
+        for i, piece in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+            out[i] = piece.reshape(leaves[i].shape)
+    return pytree.tree_unflatten(out, spec)
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+_STATE_FILE = "state.pt"
+_VERSION = 1
+
+
+def _chain_file(directory: str, r: int) -> str:
+    return os.path.join(directory, f"chains.rank{r}.pt")
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _chain_leaves(chains: Any) -> tuple[list[Any], Any, int]:
+    """The leaves of a per-chain pytree, its spec and its number of chains (0-dim leaves are shared)."""
+    leaves, spec = pytree.tree_flatten(chains)
+    if not leaves or not all(isinstance(x, Tensor) for x in leaves):
+        raise TypeError("chains must be a tensor or a pytree of tensors with a leading chain axis (or None)")
+    sizes = {x.shape[0] for x in leaves if x.ndim >= 1}
+    if len(sizes) != 1:
+        raise ValueError("chains: every leaf with a chain axis must lead with the same number of chains, "
+                         f"got leading sizes {sorted(sizes) or 'none'}")
+    return leaves, spec, sizes.pop()
+
+
+def save_checkpoint(directory: str | os.PathLike, state: Any, chains: Any = None, *, group: Any = None) -> None:
+    """Write a training (or sampling) checkpoint that :func:`load_checkpoint` reads back.
+
+    ``state``: what every rank holds alike — parameters, optimiser state, the key, the step
+    (anything ``torch.load(weights_only=True)`` reads back: tensors, dicts, lists, numbers,
+    fnebm's NamedTuples); rank 0 writes it to ``directory/state.pt``. ``chains``: this rank's
+    block of the global per-chain pytree (every leaf ``(local_chains, ...)``; 0-dim leaves,
+    such as a ``ChainState``'s ``steps_taken``, are shared), written by every rank to
+    ``directory/chains.rank{r}.pt``. Every rank of the group must call it (it is a collective).
+
+    Each file is written to a temporary name and renamed; ``state.pt`` is written last, after
+    every rank's chains, and names the save (a random token every file carries), so a save cut
+    short is never read as a whole one. ``directory`` must be one directory every rank sees (a
+    shared filesystem across machines). Without a process group: one chains file, rank 0.
+    """
+    directory = os.fspath(directory)
+    r, w = rank(group), world_size(group)
+    if chains is not None:
+        _, _, n_local = _chain_leaves(chains)
+    else:
+        n_local = 0
+    token = [uuid.uuid4().hex if r == 0 else None]
+    if is_distributed(group):
+        dist = _dist()
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        counts = _sizes(n_local, _group_device(group), group)
+    else:
+        counts = [n_local]
+    if any(c == 0 for c in counts) and any(counts):
+        raise ValueError("save_checkpoint: every rank must pass its chains, or none may: got chain counts "
+                         f"{counts} by rank")
+    if r == 0:
+        os.makedirs(directory, exist_ok=True)
+    if is_distributed(group):
+        _dist().barrier(group=group)
+    if chains is not None:
+        _atomic_save({"token": token[0], "rank": r, "world_size": w, "chains": chains}, _chain_file(directory, r))
+    if is_distributed(group):
+        _dist().barrier(group=group)
+    if r == 0:
+        meta = {"version": _VERSION, "token": token[0], "world_size": w,
+                "chain_counts": counts if chains is not None else None, "state": state}
+        _atomic_save(meta, os.path.join(directory, _STATE_FILE))
+    if is_distributed(group):
+        _dist().barrier(group=group)
+
+
+def _group_device(group: Any) -> torch.device:
+    dist = _dist()
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load(path: str, map_location: Any) -> Any:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} does not exist")
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_checkpoint(directory: str | os.PathLike, *, map_location: Any = None, group: Any = None) -> tuple[Any, Any]:
+    """Read a checkpoint of :func:`save_checkpoint`: ``(state, chains)``, ``chains`` this rank's block.
+
+    On the number of ranks it was saved from, each rank reads its own chains file. On another
+    number, every rank reads every chains file, puts the chains back in global order and takes
+    its block ``chain_slice(n_chains)`` (re-sharding; ``n_chains`` must be at least the new
+    number of ranks). Runs whose keys come from :func:`step_keys` and :func:`local_keys` then
+    continue as they would have on the old number of ranks. ``chains`` is ``None`` if none were
+    saved. Every rank reads ``state.pt``. Raises ``ValueError`` for a checkpoint that is not
+    whole (a chains file from another save, a missing rank) and ``FileNotFoundError`` for a
+    missing file.
+    """
+    directory = os.fspath(directory)
+    meta = _load(os.path.join(directory, _STATE_FILE), map_location)
+    if not isinstance(meta, dict) or meta.get("version") != _VERSION or "token" not in meta:
+        raise ValueError(f"{directory}: not an fnebm.distributed checkpoint (state.pt written by save_checkpoint)")
+    counts = meta["chain_counts"]
+    if counts is None:
+        return meta["state"], None
+    saved_w, w, r = meta["world_size"], world_size(group), rank(group)
+
+    def read(i: int) -> Any:
+        path = _chain_file(directory, i)
+        rec = _load(path, map_location)
+        if not isinstance(rec, dict) or rec.get("token") != meta["token"]:
+            raise ValueError(f"{path} belongs to another save than {os.path.join(directory, _STATE_FILE)}: "
+                             "the checkpoint is not whole")
+        return rec["chains"]
+
+    if saved_w == w:
+        return meta["state"], read(r)
+    n = sum(counts)
+    if n < w:
+        raise ValueError(f"the checkpoint holds {n} chains, fewer than the {w} ranks loading it: "
+                         "every rank needs at least one chain")
+    parts = [_chain_leaves(read(i)) for i in range(saved_w)]
+    spec = parts[0][1]
+    sl = chain_slice(n, group=group)
+    out = []
+    for j, leaf in enumerate(parts[0][0]):
+        if leaf.ndim == 0:
+            out.append(leaf)
+        else:
+            out.append(torch.cat([p[0][j] for p in parts])[sl])
+    return meta["state"], pytree.tree_unflatten(out, spec)
