@@ -67,11 +67,11 @@ def langevin_alg(target):
 def mala_run(mala_alg, start):
     """Compiled MALA: 300 burn-in + 300 kept steps over N_CHAINS chains."""
     state = torch.func.vmap(mala_alg.init)(start)
-    return fnebm.sample_chain(mala_alg.step, state, fr.key(1), 300, burn_in=300, progress=False)
+    return fnebm.sample_chain(mala_alg.step, state, fr.key(1), 300, burn_in=300, compile=True, progress=False)
 
 
 @pytest.fixture(scope="session")
 def langevin_run(langevin_alg, start):
     """Compiled unadjusted Langevin: 400 burn-in + 200 kept steps over N_CHAINS chains."""
     state = torch.func.vmap(langevin_alg.init)(start)
-    return fnebm.sample_chain(langevin_alg.step, state, fr.key(2), 200, burn_in=400, progress=False)
+    return fnebm.sample_chain(langevin_alg.step, state, fr.key(2), 200, burn_in=400, compile=True, progress=False)

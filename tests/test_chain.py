@@ -23,7 +23,7 @@ def mala_state(mala_alg, start):
 def test_compiled_equals_eager(mala_alg, mala_state, mala_run):
     # mala_run compiled the graph already: these calls reuse it (the scan length is dynamic)
     kw = dict(burn_in=3, progress=False)
-    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, **kw)
+    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, compile=True, **kw)
     f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(1), 8, compile=False, **kw)
     _close(f1.state, f2.state)
     _close([t1], [t2])
@@ -32,10 +32,10 @@ def test_compiled_equals_eager(mala_alg, mala_state, mala_run):
 
 
 def test_chunked_equals_one_call(mala_alg, mala_state, mala_run):
-    one = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, progress=False)
+    one = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, compile=True, progress=False)
     calls = []
     chunked = fnebm.sample_chain(
-        mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, chunk_size=4, progress=False,
+        mala_alg.step, mala_state, fr.key(5), 20, burn_in=6, chunk_size=4, compile=True, progress=False,
         on_chunk=lambda done, total, s: calls.append((done, total, s)),
     )
     _close(one[0].state, chunked[0].state)
@@ -46,16 +46,16 @@ def test_chunked_equals_one_call(mala_alg, mala_state, mala_run):
 
 def test_draw_j_is_the_state_after_its_step(mala_alg, mala_state, mala_run):
     # thin=1: the last kept draw is the final state, and a run of k steps ends at draw k - 1
-    final, trace, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 10, burn_in=2, progress=False)
+    final, trace, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 10, burn_in=2, compile=True, progress=False)
     torch.testing.assert_close(trace[-1], final.state.position)
-    shorter, _, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 4, burn_in=2, progress=False)
+    shorter, _, _ = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(7), 4, burn_in=2, compile=True, progress=False)
     torch.testing.assert_close(trace[3], shorter.state.position)
 
 
 def test_thinning_compiled_equals_eager(mala_alg, mala_state):
     # burn_in and n_steps not multiples of thin: exercises the remainder graph too
     kw = dict(burn_in=4, thin=3, progress=False)
-    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, **kw)
+    f1, t1, i1 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, compile=True, **kw)
     f2, t2, i2 = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(9), 10, compile=False, **kw)
     _close(f1.state, f2.state)
     _close([t1], [t2])
@@ -146,7 +146,7 @@ def test_step_may_pass_fields_through(mala_alg, mala_state):
         new, info = mala_alg.step(state, key)
         return new._replace(grad=state.grad), info
 
-    f1, t1, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, progress=False)
+    f1, t1, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, compile=True, progress=False)
     f2, t2, _ = fnebm.sample_chain(step, mala_state, fr.key(2), 3, compile=False, progress=False)
     _close([t1], [t2])
     torch.testing.assert_close(f1.state.grad, mala_state.grad)
@@ -186,10 +186,87 @@ def test_compiled_chain_never_turns_non_finite(make):
     # the divergence checks must survive Inductor (which folds some float identities, e.g. x * 0)
     alg = make(walled)
     state = torch.func.vmap(alg.init)(torch.full((256, 2), 0.3))
-    final, trace, info = fnebm.sample_chain(alg.step, state, fr.key(0), 12, progress=False)
+    final, trace, info = fnebm.sample_chain(alg.step, state, fr.key(0), 12, compile=True, progress=False)
     eager = fnebm.sample_chain(alg.step, state, fr.key(0), 12, compile=False, progress=False)
     assert info.is_divergent.any()  # the wall was hit, so the checks were exercised
     assert torch.isfinite(trace).all() and torch.isfinite(final.state.energy).all()
     assert (trace[..., 0] < 0.5).all()
     torch.testing.assert_close(trace, eager[1])
     assert torch.equal(info.is_divergent, eager[2].is_divergent)
+
+
+# ----------------------------------------------------------------------------- compile="auto"
+
+
+def _counting_cache(estimate):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    return counter, fnebm.chain.RunnerCache(backend=counter, compile_estimate_s=estimate)
+
+
+def test_auto_runs_a_short_run_eagerly_with_the_same_draws(mala_alg, mala_state):
+    counter, cache = _counting_cache(estimate=1e9)  # no eager run reaches it
+    plans = []
+    kw = dict(burn_in=2, progress=False, cache=cache)
+    auto = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 5, on_plan=plans.append, **kw)
+    eager = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 5, compile=False, **kw)
+    assert counter.frame_count == 0 and len(cache) == 0  # nothing compiled
+    (plan,) = plans
+    assert not plan.compiled and not plan.compiles and plan.reason.startswith("eager")
+    assert plan.eager_step_s > 0 and plan.steps == 7
+    _close(auto[0].state, eager[0].state)  # the same eager path: equal draws
+    _close([auto[1]], [eager[1]])
+
+
+def _itself(x):
+    return x
+
+
+def _walk(x, keys):  # a cheap step to compile: a Gaussian random walk
+    return x + 0.1 * fr.normal(keys, (1,), x.dtype), x[..., 0]
+
+
+def test_auto_compiles_when_a_compile_costs_less():
+    counter, cache = _counting_cache(estimate=0.0)  # any eager run costs more than a free compile
+    plans = []
+    x0 = torch.zeros(8, 1)
+    kw = dict(progress=False, cache=cache, on_plan=plans.append)
+    auto = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, **kw)
+    compiled = counter.frame_count
+    assert compiled >= 1 and plans[0].compiled and plans[0].compiles
+    again = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, **kw)
+    assert counter.frame_count == compiled  # reused: no new compile
+    assert plans[1].compiled and not plans[1].compiles and "earlier" in plans[1].reason
+    eager = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, compile=False, progress=False)
+    torch.testing.assert_close(auto[1], eager[1])
+    torch.testing.assert_close(again[1], eager[1])
+
+
+def test_auto_rents_before_it_buys():
+    # the ski-rental rule on a ledger with known figures: 0.05 s per eager step measured, a
+    # compile taken to cost 12 s
+    cache = fnebm.chain.RunnerCache(compile_estimate_s=12.0)
+    ledger = cache.ledger("kind", "shapes")
+    ledger.eager_s, ledger.eager_steps = 5.0, 100
+    assert not cache.plan("kind", "shapes", 100, "auto").compiled    # 5 + 5 <= 12: rent
+    assert cache.plan("kind", "shapes", 200, "auto").compiled        # 5 + 10 > 12: buy
+    assert cache.plan("kind", "shapes", 200, "auto").compiles
+    ledger.eager_s = 8.0                                               # after more eager calls
+    assert cache.plan("kind", "shapes", 100, "auto").compiled        # 8 + 5 > 12: buy now
+    assert not cache.plan("kind", "shapes", 10_000, False).compiled  # forced choices win
+    assert cache.plan("kind", "shapes", 1, True).compiled
+    assert cache.plan("other", "shapes", 1, "auto").compiled         # never timed: compile
+    ledger.compiled = True
+    assert not cache.plan("kind", "shapes", 1, "auto").compiles      # compiled: reuse
+
+
+def test_auto_estimates_and_bad_arguments(mala_alg, mala_state):
+    assert fnebm.chain.RunnerCache().compile_estimate_s == 20.0
+    assert fnebm.chain.RunnerCache(backend="aot_eager").compile_estimate_s == 0.0
+    with pytest.raises(ValueError, match="compile_estimate_s"):
+        fnebm.chain.RunnerCache(compile_estimate_s=-1)
+    with pytest.raises(ValueError, match="compile must be"):
+        fnebm.sample_chain(mala_alg.step, mala_state, fr.key(0), 3, compile="yes", progress=False)
+    with pytest.raises(TypeError, match="on_plan"):
+        fnebm.sample_chain(mala_alg.step, mala_state, fr.key(0), 3, on_plan=1, progress=False)

@@ -13,7 +13,7 @@ chunked or not, in one call or continued across calls.
 """
 
 from fnebm.chain.loop import run
-from fnebm.chain.runner import RunnerCache, default_cache
+from fnebm.chain.runner import RunnerCache, RunPlan, default_cache
 from fnebm.chain.sample import ChainState, init, sample_chain
 
-__all__ = ["sample_chain", "run", "init", "ChainState", "RunnerCache", "default_cache"]
+__all__ = ["sample_chain", "run", "init", "ChainState", "RunnerCache", "RunPlan", "default_cache"]

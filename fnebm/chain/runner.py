@@ -17,13 +17,13 @@ import itertools
 import threading
 import types
 from collections import OrderedDict
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
 from fnebm.chain.loop import loop
 
-__all__ = ["RunnerCache", "default_cache", "code_key"]
+__all__ = ["RunnerCache", "RunPlan", "default_cache", "code_key"]
 
 # Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
 # in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
@@ -91,6 +91,39 @@ def _fresh(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+class RunPlan(NamedTuple):
+    """How ``sample_chain`` runs a call, decided before its first step (see ``compile="auto"``).
+
+    compiled: the compiled runner runs (else the steps run eagerly); compiles: a graph is
+    compiled first (nothing of this kind and shapes has been compiled in this process yet; the
+    compile may still be served by Inductor's on-disk cache); reason: one line saying why;
+    eager_step_s: seconds per eager step measured so far for this kind and shapes (``None``
+    before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
+    the steps of this call.
+    """
+
+    compiled: bool
+    compiles: bool
+    reason: str
+    eager_step_s: float | None
+    compile_estimate_s: float
+    steps: int
+
+
+class _Ledger:
+    """What ``auto`` knows of one kind of step at one set of shapes."""
+
+    __slots__ = ("eager_s", "eager_steps", "compiled")
+
+    def __init__(self):
+        self.eager_s = 0.0      # seconds spent running this eagerly (the probe step included)
+        self.eager_steps = 0
+        self.compiled = False   # the compiled runner has run at these shapes
+
+    def step_s(self) -> float | None:
+        return self.eager_s / self.eager_steps if self.eager_steps else None
+
+
 class RunnerCache:
     """Compiled runners, least recently used dropped beyond ``maxsize``.
 
@@ -99,14 +132,62 @@ class RunnerCache:
     own instance to ``sample_chain(cache=...)`` to keep graphs apart, drop them with ``clear()``,
     or compile with another ``torch.compile`` backend (e.g. ``"aot_eager"`` to debug, or a
     counting backend in tests).
+
+    ``compile_estimate_s``: what ``sample_chain(compile="auto")`` takes a new compile to cost
+    (default: 20 s for Inductor — on a 2-core CPU a sampler's graph took 29-37 s with an empty
+    on-disk cache and about 6 s with a warm one — and 0 for any other backend, so that ``auto``
+    always compiles with a debugging or counting backend).
     """
 
-    def __init__(self, maxsize: int = 64, backend: Any = "inductor"):
+    def __init__(self, maxsize: int = 64, backend: Any = "inductor", compile_estimate_s: float | None = None):
         self.maxsize = maxsize
         self.backend = backend
+        if compile_estimate_s is None:
+            compile_estimate_s = 20.0 if backend == "inductor" else 0.0
+        if not (isinstance(compile_estimate_s, (int, float)) and compile_estimate_s >= 0):
+            raise ValueError(f"compile_estimate_s must be a number >= 0, got {compile_estimate_s!r}")
+        self.compile_estimate_s = float(compile_estimate_s)
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
         self._probes: OrderedDict[Hashable, Any] = OrderedDict()
+        self._ledgers: OrderedDict[Hashable, _Ledger] = OrderedDict()
         self._lock = threading.Lock()
+
+    def ledger(self, key: Hashable, shapes: Hashable) -> _Ledger:
+        """The eager time spent and compile state of one kind of step at one set of shapes."""
+        with self._lock:
+            found = self._ledgers.pop((key, shapes), None) or _Ledger()
+            self._ledgers[(key, shapes)] = found
+            while len(self._ledgers) > 4 * self.maxsize:
+                self._ledgers.popitem(last=False)
+            return found
+
+    def plan(self, key: Hashable, shapes: Hashable, steps: int, compile: bool | str) -> RunPlan:
+        """Eager or compiled for a call of ``steps`` steps (``compile``: True, False or "auto").
+
+        ``auto`` rents before it buys (the ski-rental rule): it runs eagerly while the eager
+        time spent on this kind of step and shapes, plus this call's (measured seconds per
+        eager step x steps), stays within ``compile_estimate_s``, and compiles once it would
+        not. A sequence of calls then costs at most about twice what the better choice made
+        in hindsight would have; a long run compiles at once, a short one never waits for a
+        compile.
+        """
+        ledger = self.ledger(key, shapes)
+        est, per = self.compile_estimate_s, ledger.step_s()
+        if compile is False:
+            return RunPlan(False, False, "compile=False", per, est, steps)
+        if ledger.compiled:
+            return RunPlan(True, False, "compiled earlier in this process", per, est, steps)
+        if compile is True:
+            return RunPlan(True, True, "compile=True", per, est, steps)
+        if per is None:
+            return RunPlan(True, True, "no eager step timed", per, est, steps)
+        eager = per * steps
+        if ledger.eager_s + eager <= est:
+            return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
+                                         f"the {est:.3g} s a compile is taken to cost", per, est, steps)
+        return RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
+                                   f"spent eagerly), more than the {est:.3g} s a compile is taken to cost",
+                       per, est, steps)
 
     def probe(self, key: Hashable, shapes: Hashable, make: Callable[[], Any]) -> Any:
         """``make()`` (one eager step: what a run keeps, as meta tensors), once per runner and shapes."""
@@ -138,6 +219,7 @@ class RunnerCache:
         with self._lock:
             self._runners.clear()
             self._probes.clear()
+            self._ledgers.clear()
 
 
 default_cache = RunnerCache()

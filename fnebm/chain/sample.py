@@ -19,7 +19,7 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm import random as fr
 from fnebm.chain.loop import position
-from fnebm.chain.runner import RunnerCache, code_key, default_cache
+from fnebm.chain.runner import RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import chunks, kept_in
 
 __all__ = ["ChainState", "init", "sample_chain"]
@@ -123,13 +123,21 @@ def _chains_last(state: Any) -> Any:
     )
 
 
-def _probe(step, collect, chain: ChainState, n: int) -> tuple[Any, Any]:
+def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, Any]:
     """One eager step of every chain: the kept and info trees (as meta tensors).
 
     It surfaces an error in ``step`` with a plain traceback before any compiling, and catches
-    a one-chain step given a batch (its outputs do not keep the state's shapes).
+    a one-chain step given a batch (its outputs do not keep the state's shapes). With a
+    ``ledger`` (``compile="auto"``), a second eager step is timed — the first pays one-time
+    costs — as the first measure of what an eager run costs.
     """
     new, info = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+    if ledger is not None:
+        t0 = time.perf_counter()
+        timed = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+        _sync(chain.keys.device, timed)
+        ledger.eager_s += time.perf_counter() - t0
+        ledger.eager_steps += 1
     hint = ("sample_chain calls step(state, keys) with the chain axes leading the state and keys (*chains, 2); "
             "wrap a one-chain step with fnebm.vmap_chains(step)")
     if pytree.tree_structure(new) != pytree.tree_structure(chain.state):
@@ -149,6 +157,12 @@ def _probe(step, collect, chain: ChainState, n: int) -> tuple[Any, Any]:
     if not pytree.tree_leaves(kept) or not all(isinstance(x, Tensor) for x in pytree.tree_leaves(kept)):
         raise TypeError("collect must return a tensor or a pytree of tensors")
     return pytree.tree_map(lambda x: torch.empty_like(x, device="meta"), (kept, info))
+
+
+def _sync(device: torch.device, tree: Any = None) -> None:
+    # only around eager chunks and the probe, never inside a step: clocks read real time
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _expected(tree: Any, n_kept: int) -> Any:
@@ -178,11 +192,12 @@ def sample_chain(
     thin: int = 1,
     collect: Callable[[Any], Any] | None = None,
     chunk_size: int | None = None,
-    compile: bool = True,
+    compile: bool | str = "auto",
     progress: bool | None = None,
     chain_ndim: int | None = None,
     out: tuple[Any, Any] | None = None,
     on_chunk: Callable[[int, int, float], None] | None = None,
+    on_plan: Callable[[RunPlan], None] | None = None,
     cache: RunnerCache | None = None,
 ) -> tuple[ChainState, Any, Any]:
     """Run ``burn_in + n_steps`` steps and return ``(chain, trace, info)``.
@@ -201,7 +216,15 @@ def sample_chain(
         collect: ``state -> pytree of tensors`` kept at each kept step (default: the position).
         chunk_size: steps per compiled call (default: ``max(n_kept, 256)``, or 1/20 of the run
             when a progress bar shows). Every chunk length shares one graph.
-        compile: ``False`` runs the same steps eagerly (same draws; for debugging).
+        compile: ``True`` runs the steps in the compiled runner (compiling it first if this
+            kind of step and shapes has not been compiled in this process); ``False`` runs the
+            same steps eagerly (same keys, same draws up to float rounding); ``"auto"`` (the
+            default) runs eagerly while that costs less than a compile would, and compiles once
+            it does not: after one timed eager step, a call whose eager steps (plus the eager
+            time already spent on this kind of step and shapes) would take longer than the
+            cache's ``compile_estimate_s`` (20 s for Inductor) compiles; shorter calls run
+            eagerly. So a short first run returns in seconds and a long one compiles at once;
+            a graph compiled once is used from then on. ``on_plan`` says which ran and why.
         progress: a tqdm bar on stderr; ``None`` shows one when stderr is a terminal.
         chain_ndim: leading chain axes of ``state`` (default 1 with one key, ``key.ndim - 1``
             with per-chain keys; 0 for one chain).
@@ -211,6 +234,9 @@ def sample_chain(
             trace per call); the draws are copied into your buffers.
         on_chunk: ``on_chunk(steps_done, steps_total, seconds)`` after every chunk, outside the
             compiled call (the device is synchronised first, so the seconds are real).
+        on_plan: ``on_plan(plan)`` once before the first step, with the
+            :class:`~fnebm.chain.runner.RunPlan` of this call (compiled or eager, whether a
+            compile starts now, and why): a command line can say "compiling ..." before a wait.
         cache: where compiled runners live (default: a module-level :class:`RunnerCache`).
 
     Returns:
@@ -231,6 +257,10 @@ def sample_chain(
     _checks.check_callable("collect", collect, "state -> pytree of tensors")
     if on_chunk is not None:
         _checks.check_callable("on_chunk", on_chunk, "on_chunk(steps_done, steps_total, seconds)")
+    if on_plan is not None:
+        _checks.check_callable("on_plan", on_plan, "on_plan(plan: RunPlan)")
+    if compile not in (True, False, "auto"):
+        raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
     if isinstance(state, ChainState):
         if key is not None:
             raise ValueError("state is a ChainState, which carries its keys and step count: pass key=None to continue it")
@@ -256,12 +286,18 @@ def sample_chain(
     cache = default_cache if cache is None else cache
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)
     shapes = tuple((x.shape, x.dtype, x.device) for x in leaves)
-    probed = cache.probe(runner_key, shapes, lambda: _probe(step, collect, chain, n))
+    ledger = cache.ledger(runner_key, shapes)
+    timed = ledger if compile == "auto" and not ledger.compiled and ledger.eager_steps == 0 else None
+    probed = cache.probe(runner_key, shapes, lambda: _probe(step, collect, chain, n, timed))
     n_kept = n_steps // thin
     expected = _expected(probed, n_kept)
     bufs = None if out is None else _check_out(out, expected)
     out_spec = pytree.tree_structure(expected)
-    if compile:
+    total = burn_in + n_steps
+    plan = cache.plan(runner_key, shapes, total, compile)
+    if on_plan is not None:
+        on_plan(plan)
+    if plan.compiled:
         run = cache.get(runner_key)
     else:
         from fnebm.chain.loop import loop
@@ -269,7 +305,6 @@ def sample_chain(
         def run(step, collect, keys, state, ts):
             return loop(step, collect, keys, state, ts, unroll=True)
 
-    total = burn_in + n_steps
     show = sys.stderr.isatty() if progress is None else bool(progress)
     if chunk_size is None:
         if show:
@@ -294,12 +329,17 @@ def sample_chain(
         for a, b in chunks(total, chunk_size):
             t0 = time.perf_counter()
             ts = chain.steps_taken + torch.arange(a, b, device=device)
-            if compile and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
+            if plan.compiled and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
             run_state, kept, info = run(step, collect, chain.keys, run_state, ts)
+            if plan.compiled:
+                ledger.compiled = True
+            elif compile == "auto" or on_chunk is not None:
+                _sync(device)
+                ledger.eager_s += time.perf_counter() - t0
+                ledger.eager_steps += b - a
             if on_chunk is not None:
-                if device.type != "cpu":
-                    torch.accelerator.synchronize(device)
+                _sync(device)
                 on_chunk(b, total, time.perf_counter() - t0)
             if bar is not None:
                 bar.update(b - a)
