@@ -445,7 +445,42 @@ def test_parameter_gradients_in_closed_form():
     torch.testing.assert_close(g.mean, -gauss.grad(x))  # dE/dmean = -P (x - mean)
     delta = x - gauss.mean
     torch.testing.assert_close(g.precision_tril, torch.outer(delta, delta @ gauss.precision_tril))
-    assert torch.equal(g.precision, torch.zeros_like(gauss.precision))  # the call reads only the factor
+    assert [f.name for f in dataclasses.fields(g)] == ["mean", "precision_tril"]  # P is derived, not a leaf
+
+
+@pytest.mark.parametrize("family", ["gaussian_full", "gaussian_diag"])
+def test_gaussian_precision_follows_its_factor_through_training(family):
+    # The precision is derived from L, so a gradient step on the leaves (mean, L) moves the energy,
+    # the closed-form grad and the precision together (a stored P used to keep its first value).
+    gauss = make(family, 3)
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    g = grad(lambda e, x: e(x))(gauss, x)
+    trained = pytree.tree_map(lambda p, d: p - 0.1 * d, gauss, g)
+    L = trained.precision_tril
+    P = L * L if family == "gaussian_diag" else L @ L.T
+    assert not torch.allclose(P, gauss.precision)  # the step moved the precision
+    torch.testing.assert_close(trained.precision, P, rtol=0, atol=0)
+    torch.testing.assert_close(trained.grad(x), grad(trained)(x))  # closed form == autograd of the call
+    torch.testing.assert_close(trained.grad(x), (x - trained.mean) @ (torch.diag(P) if P.ndim == 1 else P))
+    ref = E.gaussian(trained.mean, precision=P)  # the checked constructor agrees
+    torch.testing.assert_close(ref(x), trained(x))
+    torch.testing.assert_close(ref.grad(x), trained.grad(x))
+    # the older three-argument form still builds the same energy (its P is dropped: P is L L^T)
+    old = E.Gaussian(trained.mean, torch.zeros_like(P), L)
+    assert torch.equal(old.precision, trained.precision) and torch.equal(old.grad(x), trained.grad(x))
+    with pytest.raises(TypeError, match="precision_tril"):
+        E.Gaussian(trained.mean)
+    # a file saved before the change (a stale P in the instance's dict) loads with the derived P
+    stale = E.Gaussian(trained.mean, L)
+    stale.__dict__["precision"] = gauss.precision
+    buf = io.BytesIO()
+    torch.save(stale, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert torch.equal(loaded.precision, P)
+    torch.testing.assert_close(loaded.grad(x), trained.grad(x))
+    leaves = pytree.tree_leaves(loaded)
+    assert len(leaves) == 2 and leaves[0] is loaded.mean and leaves[1] is loaded.precision_tril
 
 
 # ------------------------------------------------------------------------- BoundEnergy

@@ -35,27 +35,52 @@ __all__ = [
 # ------------------------------------------------------------------------------ Gaussian
 
 
-@dataclass(frozen=True, eq=False)
-class Gaussian(Energy):
-    """``E(x) = 0.5 (x - mean)^T P (x - mean)`` (unnormalised).
+_UNSET: Any = object()
 
-    ``mean: (d,)``; ``precision``: ``(d, d)`` full or ``(d,)`` diagonal;
-    ``precision_tril``: lower Cholesky factor ``L`` of ``P = L L^T`` (``(d,)`` sqrt of the
-    diagonal when diagonal), so the energy is ``0.5 |L^T (x - mean)|^2``, never negative.
+
+@dataclass(frozen=True, eq=False, init=False)
+class Gaussian(Energy):
+    """``E(x) = 0.5 (x - mean)^T P (x - mean)`` (unnormalised), with ``P = L L^T``.
+
+    ``mean: (d,)``; ``precision_tril``: the lower Cholesky factor ``L`` of the precision ``P``,
+    ``(d, d)``, or ``(d,)`` (the square roots of a diagonal ``P``). ``L`` is the only
+    parameter besides the mean: ``precision`` is derived from it when read, so training ``L``
+    moves the energy, ``grad`` and ``precision`` together. The energy is
+    ``0.5 |L^T (x - mean)|^2``, never negative.
+
+    ``Gaussian(mean, precision_tril)``; the older ``Gaussian(mean, precision, precision_tril)``
+    is still accepted, and its ``precision`` (``L L^T`` by definition) is dropped.
     """
 
     mean: Tensor
-    precision: Tensor
-    precision_tril: Tensor = field(repr=False)
+    precision_tril: Tensor
     name: ClassVar[str] = "gaussian"
+
+    def __init__(self, mean: Tensor, *args: Tensor, precision_tril: Tensor = _UNSET) -> None:
+        # no value checks (unflattening calls this with whatever torch.func hands back); the
+        # arity is the signature's, as for any function
+        if precision_tril is _UNSET and len(args) in (1, 2):
+            precision_tril = args[-1]
+        elif args or precision_tril is _UNSET:
+            raise TypeError("Gaussian takes (mean, precision_tril) (or the older (mean, precision, "
+                            f"precision_tril)), got {1 + len(args)} positional argument(s)"
+                            + ("" if precision_tril is _UNSET else " and precision_tril="))
+        object.__setattr__(self, "mean", mean)
+        object.__setattr__(self, "precision_tril", precision_tril)
 
     @property
     def is_diagonal(self) -> bool:
-        return self.precision.ndim == 1
+        return self.precision_tril.ndim == 1
 
     @property
     def dim(self) -> int:
         return self.mean.shape[0]
+
+    @property
+    def precision(self) -> Tensor:
+        """``P = L L^T``: ``(d, d)``, or ``(d,)`` when diagonal. Computed on each read (a matmul for a full ``L``)."""
+        tril = self.precision_tril
+        return tril * tril if self.is_diagonal else tril @ tril.mT
 
     def __call__(self, x: Tensor) -> Tensor:
         delta = x - self.mean
@@ -64,8 +89,10 @@ class Gaussian(Energy):
         return 0.5 * (y * y).sum(-1)
 
     def grad(self, x: Tensor) -> Tensor:
+        # P (x - mean) = L (L^T (x - mean)): two matvecs with L, no d x d product formed
         delta = x - self.mean
-        return delta * self.precision if self.is_diagonal else delta @ self.precision
+        tril = self.precision_tril
+        return delta * (tril * tril) if self.is_diagonal else (delta @ tril) @ tril.mT
 
 
 def gaussian(mean: Any, cov: Any = None, precision: Any = None, *, dtype=None, device=None) -> Gaussian:
@@ -83,8 +110,7 @@ def gaussian(mean: Any, cov: Any = None, precision: Any = None, *, dtype=None, d
     if d == 0:
         raise ValueError("mean must have at least one element, got shape (0,)")
     if cov is None and precision is None:
-        prec = torch.ones(d, dtype=dtype, device=device)
-        return Gaussian(mean, prec, prec)
+        return Gaussian(mean, torch.ones(d, dtype=dtype, device=device))
     arg_name, m = ("cov", cov) if cov is not None else ("precision", precision)
     m = _tensor(arg_name, m, (1, 2), dtype, device)
     want = (d,) if m.ndim == 1 else (d, d)
@@ -92,16 +118,16 @@ def gaussian(mean: Any, cov: Any = None, precision: Any = None, *, dtype=None, d
         raise ValueError(f"{arg_name} must have shape {want} to match mean of shape ({d},), got {tuple(m.shape)}")
     if m.ndim == 1:
         prec = 1 / _positive(arg_name, m) if cov is not None else _positive(arg_name, m)
-        return Gaussian(mean, prec, prec.sqrt())
+        return Gaussian(mean, prec.sqrt())
     tril = _cholesky(arg_name, m)
     if cov is None:
-        return Gaussian(mean, 0.5 * (m + m.mT), tril)
+        return Gaussian(mean, tril)
     prec = torch.cholesky_inverse(tril)
     prec = 0.5 * (prec + prec.mT)
     prec_tril, info = torch.linalg.cholesky_ex(prec)
     if _checks.is_concrete(info) and bool(info != 0):
         raise ValueError("cov is too ill-conditioned to invert in this dtype")
-    return Gaussian(mean, prec, prec_tril)
+    return Gaussian(mean, prec_tril)
 
 
 # ---------------------------------------------------------------------------- DoubleWell
