@@ -5,6 +5,7 @@ Same key, same noise: the fused Langevin kernel's in-kernel normals are fnebm.ra
 ones against torch's), and its positions equal the twin's to float32 tolerance.
 """
 
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -109,3 +110,152 @@ def test_op_in_compiled_graph():
     for h in (h, 2 * h):
         torch.testing.assert_close(step(x, g, keys, h), 2.0 * langevin_update_torch(x, g, keys, h, s), **TOL)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+# ------------------------------------------------------------ whole chains (langevin_chain)
+
+from fnebm import energies as E  # noqa: E402
+from fnebm.chain import run as run_chain  # noqa: E402
+# the package exports the function langevin_chain, which hides the module of the same name
+lc = importlib.import_module("fnebm.kernels.langevin_chain")
+from fnebm.samplers import langevin as langevin_sampler, mala as mala_sampler  # noqa: E402
+
+# Whole chains under the interpreter cost ~0.15 s per step (each Triton device-function call
+# re-patches triton.language), so these runs are a handful of steps on a few chains.
+# Kernel against twin: the normals differ by ~2 ulp and the closed forms are summed in another
+# order, so after a few steps positions agree to a few float32 ulps of their size.
+CHAIN_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _covered(name, d=6):
+    f32 = dict(dtype=torch.float32, device=DEVICE)
+    if name == "double_well":
+        return E.double_well(1.0, 0.8, **f32)
+    if name == "harmonic":
+        return E.harmonic(2.0, **f32)
+    if name == "gaussian":
+        return E.gaussian(torch.linspace(-1.0, 1.0, d), precision=torch.linspace(0.5, 2.0, d), **f32)
+    return E.rastrigin(1.0, **f32)
+
+
+COVERED = ["double_well", "harmonic", "gaussian", "rastrigin"]
+
+
+def _start(energy, chains, d, seed=0):
+    x = fr.normal(fr.key(seed, DEVICE), chains + (d,))
+    return x, energy(x), energy.grad(x)
+
+
+def _assert_chain_close(got, want):
+    for name, a, b in zip(got._fields, got, want):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, **CHAIN_TOL, msg=name)
+
+
+def test_chain_noise_schedule_and_tails():
+    """Harmonic k = 2 with h = 1/2 makes every step x' = x - x + 1 * xi = xi exactly, so the
+    trace *is* the kernel's noise: draw j must be fnebm.random.normal(fold_in(keys, t), d) at
+    the stream index t of step burn_in + (j + 1) thin - 1. 3 chains in a block of 4 and d = 37
+    (a ragged last lane) leave tails; the buffers are views into larger NaN/True-filled ones,
+    whose extra row must stay untouched. ~7 interpreted steps (~1 s)."""
+    chains, d, start, burn_in, n_steps, thin = (3,), 37, 5, 2, 5, 2
+    energy = E.harmonic(2.0, dtype=torch.float32, device=DEVICE)
+    x, e, g = _start(energy, chains, d)
+    keys = _keys(chains)
+    n_kept = n_steps // thin
+    trace_buf = torch.full((n_kept + 1,) + chains + (d,), float("nan"), device=DEVICE)
+    div_buf = torch.ones((n_kept + 1,) + chains, dtype=torch.bool, device=DEVICE)
+    half, one = torch.tensor(0.5, device=DEVICE), torch.tensor(1.0, device=DEVICE)
+    start_t = torch.tensor(start, device=DEVICE)
+    final = lc.run_into(energy, x, e, g, keys, start_t, half, one, (trace_buf[:n_kept], div_buf[:n_kept]), mala=False,
+                        n_total=burn_in + n_steps, first=burn_in + thin - 1, thin=thin, n_keep=n_kept, j0=0)
+    for j in range(n_kept):
+        t = start + burn_in + (j + 1) * thin - 1
+        torch.testing.assert_close(trace_buf[j], fr.normal(fr.fold_in(keys, t), (d,)), **TOL)
+    assert not div_buf[:n_kept].any()
+    assert trace_buf[n_kept].isnan().all() and div_buf[n_kept].all()  # nothing written past the end
+    last = fr.normal(fr.fold_in(keys, start + burn_in + n_steps - 1), (d,))
+    torch.testing.assert_close(final[0], last, **TOL)
+    torch.testing.assert_close(final[1], energy(last), **TOL)
+    torch.testing.assert_close(final[2], 2.0 * last, **TOL)
+
+
+@pytest.mark.parametrize("name", COVERED)
+@pytest.mark.parametrize("sampler", ["langevin", "mala"])
+def test_chain_matches_twin(name, sampler):
+    """Kernel against twin on 2 x 3 chains of d = 6: per-chain step sizes (MALA) or per-chain
+    noise scales (Langevin), burn-in 1, thin 2, from stream index 3. ~5 steps (~1 s) each."""
+    chains, d = (2, 3), 6
+    energy = _covered(name, d)
+    x, e, g = _start(energy, chains, d)
+    keys = _keys(chains)
+    kw = dict(n_steps=4, burn_in=1, thin=2)
+    if sampler == "mala":
+        h = torch.linspace(0.05, 0.4, 6, device=DEVICE).reshape(chains)
+        args = (energy, x, e, g, keys, 3, h)
+        got, want = lc.mala_chain(*args, **kw), lc.mala_chain_torch(*args, **kw)
+    else:
+        s = torch.linspace(0.0, 1.0, 6, device=DEVICE).reshape(chains)
+        args = (energy, x, e, g, keys, 3, torch.tensor(0.05, device=DEVICE), s)
+        got, want = lc.langevin_chain(*args, **kw), lc.langevin_chain_torch(*args, **kw)
+    assert got.trace.shape == (2,) + chains + (d,)
+    _assert_chain_close(got, want)
+
+
+@pytest.mark.parametrize("name", COVERED)
+def test_twin_is_fnebm_sampler(name):
+    """The twins are fnebm's eager Langevin and MALA steps (fnebm.chain.run: the same
+    fold_in/split keys), with closed-form energies in place of autograd. MALA's step size is
+    large enough that both decisions occur. Eager torch only: ~0.2 s each."""
+    chains, d, n = (7,), 5, 8
+    energy = _covered(name, d)
+    x, e, g = _start(energy, chains, d, seed=4)
+    keys = _keys(chains)
+    for alg, twin, extra in ((langevin_sampler(energy, 0.05, 0.7), lc.langevin_chain_torch, (0.7,)),
+                             (mala_sampler(energy, 0.3), lc.mala_chain_torch, ())):
+        state = torch.func.vmap(alg.init)(x)
+        final, trace, info = run_chain(alg.step, state, keys, n, start=2)
+        got = twin(energy, x, e, g, keys, 2, torch.tensor(alg.step.keywords["step_size"].item()), *extra, n_steps=n)
+        torch.testing.assert_close(got.trace, trace, **CHAIN_TOL)
+        torch.testing.assert_close(got.position, final.position, **CHAIN_TOL)
+        torch.testing.assert_close(got.grad, final.grad, **CHAIN_TOL)
+        if twin is lc.mala_chain_torch:
+            assert torch.equal(got.is_accepted, info.is_accepted)
+            assert info.is_accepted.any() and not info.is_accepted.all()
+
+
+def test_chain_rejects_what_it_does_not_cover():
+    keys = _keys((3,))
+    x = torch.zeros(3, 4, device=DEVICE)
+    e, g = torch.zeros(3, device=DEVICE), x
+    with pytest.raises(TypeError, match="float32"):
+        lc.langevin_chain(E.harmonic(dtype=torch.float64, device=DEVICE), x.double(), e.double(), g.double(), keys, 0,
+                          0.1, n_steps=2)
+    with pytest.raises(TypeError, match="Rosenbrock"):
+        lc.mala_chain(E.rosenbrock(dtype=torch.float32, device=DEVICE), x, e, g, keys, 0, 0.1, n_steps=2)
+    full = E.gaussian(torch.zeros(4), torch.eye(4) + 0.5, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(TypeError, match="full precision"):
+        lc.mala_chain(full, x, e, g, keys, 0, 0.1, n_steps=2)
+    big = torch.zeros(3, lc.MAX_DIM + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="MAX_DIM"):
+        lc.langevin_chain(E.harmonic(dtype=torch.float32, device=DEVICE), big, e, big, keys, 0, 0.1, n_steps=2)
+    with pytest.raises(ValueError, match="thin"):
+        lc.langevin_chain(E.harmonic(dtype=torch.float32, device=DEVICE), x, e, g, keys, 0, 0.1, n_steps=2, thin=3)
+
+
+def test_chain_ops_registered():
+    """Schema, fake tensors and AOT dispatch of the MALA op, fake tensors of the Langevin one
+    (opcheck runs the op several times: 2 chains, 2 steps; ~4 s in all)."""
+    energy = _covered("double_well", 5)
+    x, e, g = _start(energy, (2,), 5)
+    keys = _keys((2,))
+    t = torch.tensor(1, device=DEVICE)
+    h = torch.tensor(0.1, device=DEVICE)
+    family, scalars, vectors = lc._params(energy, 5)
+    torch.library.opcheck(torch.ops.fnebm.mala_chain.default, (x, e, g, keys, t, h, scalars, vectors, family, 1, 1, 1),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch.library.opcheck(torch.ops.fnebm.langevin_chain.default,
+                          (x, e, g, keys, t, h, torch.tensor(1.0, device=DEVICE), scalars, vectors, family, 2, 0, 1),
+                          test_utils=("test_faketensor",))
