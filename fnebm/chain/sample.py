@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
+from fnebm.chain.backend import compile_setting, kernel_runner
 from fnebm.chain.loop import position
 from fnebm.chain.runner import RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import chunks, kept_in
@@ -193,6 +194,7 @@ def sample_chain(
     collect: Callable[[Any], Any] | None = None,
     chunk_size: int | None = None,
     compile: bool | str = "auto",
+    backend: str = "auto",
     progress: bool | None = None,
     chain_ndim: int | None = None,
     out: tuple[Any, Any] | None = None,
@@ -225,6 +227,15 @@ def sample_chain(
             cache's ``compile_estimate_s`` (20 s for Inductor) compiles; shorter calls run
             eagerly. So a short first run returns in seconds and a long one compiles at once;
             a graph compiled once is used from then on. ``on_plan`` says which ran and why.
+        backend: ``"auto"`` (default) runs the chain with a hand-written Triton kernel (one
+            launch for all steps, :mod:`fnebm.kernels.langevin_chain`) when one covers it —
+            ``fnebm.langevin``/``fnebm.mala`` steps on a double well, harmonic, diagonal
+            Gaussian or Rastrigin energy, float32 chains on a CUDA device, the default
+            ``collect``, no gradient through the chain — and otherwise as ``compile`` says;
+            ``"triton"`` requires the kernel and raises ``ValueError`` saying why it does not
+            apply; ``"compiled"`` and ``"eager"`` never use it and mean ``compile=True`` and
+            ``compile=False``. Same keys, same draws on every backend (to float tolerance).
+            The kernel path reports no ``on_plan``. See docs/kernels.md.
         progress: a tqdm bar on stderr; ``None`` shows one when stderr is a terminal.
         chain_ndim: leading chain axes of ``state`` (default 1 with one key, ``key.ndim - 1``
             with per-chain keys; 0 for one chain).
@@ -259,6 +270,7 @@ def sample_chain(
         _checks.check_callable("on_chunk", on_chunk, "on_chunk(steps_done, steps_total, seconds)")
     if on_plan is not None:
         _checks.check_callable("on_plan", on_plan, "on_plan(plan: RunPlan)")
+    compile = compile_setting(backend, compile)
     if compile not in (True, False, "auto"):
         raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
     if isinstance(state, ChainState):
@@ -282,6 +294,9 @@ def sample_chain(
     if len(devices) > 1 or chain.keys.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
     _check_finite(chain.state)
+    kernel = kernel_runner(step, chain, n_steps, burn_in=burn_in, thin=thin, collect=collect, backend=backend)
+    if kernel is not None:
+        return kernel(out=out, chunk_size=chunk_size, progress=progress, on_chunk=on_chunk)
 
     cache = default_cache if cache is None else cache
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)

@@ -141,10 +141,15 @@ def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
 def _tunable(name: str, value, like: Tensor, chains: tuple[int, ...]) -> Tensor:
     if not isinstance(value, Tensor):
         value = torch.tensor(_checks.check_real(name, value), dtype=like.dtype, device=like.device)
-    if not value.dtype.is_floating_point or value.device != like.device:
-        raise TypeError(f"{name} must be a floating-point tensor on the position's device, got {value.dtype} on {value.device}")
+    if not value.dtype.is_floating_point or (value.device != like.device and value.ndim):
+        raise TypeError(f"{name} must be a floating-point tensor on the position's device (or 0-dim), got "
+                        f"{value.dtype} {tuple(value.shape)} on {value.device}")
     _checks.check_tunable_shape(name, value, chains)
-    return value.to(like.dtype)
+    value = value.to(dtype=like.dtype, device=like.device)  # a sampler's 0-dim number follows the position
+    if value.ndim == 0:
+        return value
+    # a prefix of the chain axes (or size-1 axes) gives rows of chains one value: one per chain here
+    return value.reshape(value.shape + (1,) * (len(chains) - value.ndim)).expand(chains)
 
 
 def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, dtypes):

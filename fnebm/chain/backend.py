@@ -1,0 +1,235 @@
+"""Which engine runs a :func:`fnebm.sample_chain` call: a hand-written Triton kernel, the compiled
+runner, or eager code (``backend="auto" | "triton" | "compiled" | "eager"``).
+
+A kernel serves a run only when it computes exactly what the run asks for:
+
+* the step is ``fnebm.langevin(energy, step_size, noise_scale).step`` or
+  ``fnebm.mala(energy, step_size).step`` (a ``functools.partial`` of the sampler's kernel;
+  anything wrapping one is opaque and runs as before);
+* the energy is one :mod:`fnebm.kernels.langevin_chain` computes in closed form (double well,
+  harmonic, diagonal Gaussian, Rastrigin: exact types, parameters on the chains' device);
+* the state is that sampler's state, float32, one event axis of at most ``MAX_DIM`` elements;
+  the step size and noise scale are 0-dim or per chain;
+* ``collect`` is the default (the position), and no gradient is taken through the chain;
+* the chains are on a CUDA device and triton is installed.
+
+``"auto"`` takes the kernel when all of that holds and otherwise runs the compiled or eager
+path (``sample_chain``'s ``compile`` decides); on a CPU it never picks Triton, and it decides
+without importing triton. ``"triton"`` takes the kernel or raises ``ValueError`` saying which
+condition failed. ``"compiled"`` and ``"eager"`` never take it and mean ``compile=True`` and
+``compile=False``. The kernel draws from the same keys as the samplers (``fold_in(keys[c], t)``,
+MALA's split), so every backend gives the same chain to float tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fnebm.chain.loop import needs_grad, position
+from fnebm.chain.schedule import chunks, kept_in
+from fnebm.samplers import langevin as _langevin
+from fnebm.samplers import mala as _mala
+
+__all__ = ["BACKENDS", "check_backend", "compile_setting", "kernel_runner", "why_not"]
+
+BACKENDS = ("auto", "triton", "compiled", "eager")
+
+# Private switch for tests: let backend="triton" run the kernel on CPU tensors when Triton runs
+# under its interpreter (TRITON_INTERPRET=1). "auto" never does.
+_INTERPRETER_ON_CPU = os.environ.get("FNEBM_TRITON_ON_CPU") == "1"
+
+
+def check_backend(backend: Any) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def compile_setting(backend: str, compile: Any) -> Any:
+    """``sample_chain``'s ``compile`` under ``backend``: ``"eager"`` is ``False``, ``"compiled"``
+    ``True``; ``"auto"`` and ``"triton"`` leave it (it decides when no kernel runs)."""
+    backend = check_backend(backend)
+    return {"eager": False, "compiled": True}.get(backend, compile)
+
+
+def _chain_module():
+    # fnebm.kernels exports the function langevin_chain, which hides the module's name
+    return importlib.import_module("fnebm.kernels.langevin_chain")
+
+
+def _sampler(step: Any) -> tuple[str, Any, Tensor, Tensor] | None:
+    """``(kind, energy, step_size, noise_scale)`` when ``step`` is fnebm's Langevin or MALA step."""
+    if not isinstance(step, functools.partial) or step.args:
+        return None
+    kw = step.keywords
+    if step.func is _langevin._kernel and set(kw) == {"energy_fn", "step_size", "noise_scale"}:
+        return "langevin", kw["energy_fn"], kw["step_size"], kw["noise_scale"]
+    if step.func is _mala._kernel and set(kw) == {"energy_fn", "step_size"}:
+        return "mala", kw["energy_fn"], kw["step_size"], None
+    return None
+
+
+def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
+    """``None`` when a kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
+    found = _sampler(step)
+    if found is None:
+        return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the kernels run those two "
+                "samplers on the state they step)")
+    kind, energy, step_size, noise_scale = found
+    state = chain.state
+    state_type = _langevin.LangevinState if kind == "langevin" else _mala.MALAState
+    if type(state) is not state_type:
+        return f"the state is a {type(state).__name__}, not the {state_type.__name__} that {kind} steps"
+    if collect is not position:
+        return "collect is not the default (the position): the kernels write positions only"
+    x = state.position
+    device = x.device
+    if device.type != "cuda":
+        allowed = device.type == "cpu" and _INTERPRETER_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+        if not allowed:
+            return f"the chains are on {device.type}, not a CUDA device (the Triton kernels run on NVIDIA GPUs)"
+    try:
+        lc = _chain_module()
+    except ImportError:  # pragma: no cover - triton is a dependency of torch's CUDA builds
+        return "triton is not installed"
+    if not lc.HAS_TRITON:  # pragma: no cover
+        return "triton is not installed"
+    reason = lc.covers(energy)
+    if reason is not None:
+        return reason
+    if x.dtype not in lc._DTYPES:
+        return f"the position is {x.dtype}; the kernels cover float32 (the stream's normals are float32)"
+    if energy.dtype != x.dtype or energy.device != device:
+        return f"the energy's parameters are {energy.dtype} on {energy.device}, not the position's {x.dtype} on {device}"
+    chains = tuple(chain.keys.shape[:-1])
+    if x.ndim != len(chains) + 1:
+        return f"the position {tuple(x.shape)} is not (*chains, d) for chains {chains}: the kernels take one event axis"
+    d = x.shape[-1]
+    if d > lc.MAX_DIM:
+        return f"the position has {d} elements per chain, more than the kernels' MAX_DIM={lc.MAX_DIM}"
+    if any(t.device != device or t.dtype != x.dtype for t in (state.energy, state.grad)):
+        return "the state's energy and grad are not on the position's device and dtype"
+    for name, t in (("step_size", step_size), ("noise_scale", noise_scale)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            return f"{name} is not a floating tensor"
+        if t.ndim and (t.device != device or t.ndim > len(chains)
+                       or any(a not in (b, 1) for a, b in zip(t.shape, chains))):
+            return f"{name} of shape {tuple(t.shape)} on {t.device} is neither 0-dim nor per chain {chains} on {device}"
+    if needs_grad(step, state):
+        return "a gradient is taken through the chain (the kernels have no backward)"
+    return None
+
+
+def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: int, collect: Callable,
+                  backend: str) -> Callable[..., tuple[Any, Any, Any]] | None:
+    """A runner that serves this ``sample_chain`` call with a Triton kernel, or ``None``.
+
+    ``chain``: the checked :class:`~fnebm.chain.ChainState`. ``None`` for ``"compiled"`` and
+    ``"eager"``, and for ``"auto"`` where a kernel does not apply; ``"triton"`` where a kernel
+    does not apply raises ``ValueError`` with the reason. The runner takes ``out``,
+    ``chunk_size``, ``progress`` and ``on_chunk`` as ``sample_chain`` does and returns its
+    ``(chain, trace, info)``.
+    """
+    backend = check_backend(backend)
+    if backend in ("compiled", "eager"):
+        return None
+    if backend == "auto" and chain.keys.device.type != "cuda":
+        return None  # decided before triton is imported
+    reason = why_not(step, chain, collect)
+    if reason is not None:
+        if backend == "triton":
+            raise ValueError(f'backend="triton" cannot run this chain: {reason}. '
+                             'backend="auto" runs it with the compiled runner instead')
+        return None
+    return functools.partial(_run, step, chain, n_steps, burn_in, thin)
+
+
+def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: int) -> tuple[Tensor, Any, Any]:
+    """``(trace, info, copy_to)``: the buffers the kernel writes — the caller's ``out`` when its
+    tensors are contiguous, else fresh ones then copied into ``copy_to`` (``out``, or ``None``)."""
+    flag = torch.empty((n_kept,) + chains, dtype=torch.bool, device=x.device)
+    trace = torch.empty((n_kept,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if kind == "mala":
+        info = _mala.MALAInfo(torch.empty((n_kept,) + chains, dtype=x.dtype, device=x.device), flag, flag.clone())
+    else:
+        info = _langevin.LangevinInfo(flag)
+    if out is None:
+        return trace, info, None
+    want = pytree.tree_leaves((trace, info))
+    if not (isinstance(out, tuple) and len(out) == 2) or pytree.tree_structure(out) != pytree.tree_structure((trace, info)):
+        raise ValueError(f"out must be a (trace, info) pair as this run returns: a tensor and a {type(info).__name__}")
+    for got, w in zip(pytree.tree_leaves(out), want):
+        if not isinstance(got, Tensor) or got.shape != w.shape or got.dtype != w.dtype or got.device != w.device:
+            raise ValueError(f"out's buffers must have the shapes and dtypes {[(tuple(t.shape), t.dtype) for t in want]} "
+                             f"on {x.device}")
+    if all(t.is_contiguous() for t in pytree.tree_leaves(out)):
+        return out[0], out[1], None  # the kernel writes the caller's buffers directly
+    return trace, info, out
+
+
+def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, out=None, chunk_size: int | None = None,
+         progress: bool | None = None, on_chunk: Callable | None = None) -> tuple[Any, Any, Any]:
+    from fnebm.chain.sample import ChainState  # sample imports this module
+
+    lc = _chain_module()
+    kind, energy, step_size, noise_scale = _sampler(step)
+    state, keys = chain.state, chain.keys
+    x = state.position
+    chains = tuple(keys.shape[:-1])
+    h = _per_chain(step_size, x, chains)
+    s = _per_chain(noise_scale if noise_scale is not None else torch.ones(()), x, chains)
+    n_kept = n_steps // thin
+    trace, info, copy_to = _buffers(out, kind, x, chains, n_kept)
+    outputs = (trace, *info)
+    total = burn_in + n_steps
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    if chunk_size is None:
+        chunk_size = -(-total // 20) if show else total  # one launch unless a bar shows
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="step", desc="sampling (triton)", file=sys.stderr)
+    e, g = state.energy, state.grad
+    try:
+        for a, b in chunks(total, chunk_size):
+            t0 = time.perf_counter()
+            k = kept_in(a, b, burn_in, thin, n_kept)
+            first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
+            x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
+                                  n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0)
+            if on_chunk is not None:
+                if x.device.type != "cpu":
+                    torch.accelerator.synchronize(x.device)
+                on_chunk(b, total, time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(b - a)
+    finally:
+        if bar is not None:
+            bar.close()
+    if copy_to is not None:  # out= with non-contiguous buffers
+        for buf, new in zip(pytree.tree_leaves(copy_to), outputs):
+            buf.copy_(new)
+        trace, info = copy_to
+    final = type(state)(x, e, g)
+    return ChainState(final, keys, chain.steps_taken + total), trace, info
+
+
+def _per_chain(value: Tensor, x: Tensor, chains: tuple[int, ...]) -> Tensor:
+    # the sampler's tunable in the position's dtype and device: 0-dim, or one value per chain
+    value = value.to(dtype=x.dtype, device=x.device)
+    if value.ndim == 0:
+        return value
+    return value.reshape(value.shape + (1,) * (len(chains) - value.ndim)).expand(chains).contiguous()
