@@ -6,6 +6,7 @@ ones against torch's), and its positions equal the twin's to float32 tolerance.
 """
 
 import importlib
+import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -259,3 +260,101 @@ def test_chain_ops_registered():
     torch.library.opcheck(torch.ops.fnebm.langevin_chain.default,
                           (x, e, g, keys, t, h, torch.tensor(1.0, device=DEVICE), scalars, vectors, family, 2, 0, 1),
                           test_utils=("test_faketensor",))
+
+
+# ------------------------------------------------------------ dispatch: sample_chain(backend=)
+
+import fnebm  # noqa: E402
+from fnebm.chain import backend as chain_backend  # noqa: E402
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """backend="triton" may run the kernel on CPU tensors (under the interpreter): tests only."""
+    monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", True)
+
+
+def _alg(sampler, energy, chains):
+    if sampler == "mala":  # per-chain step sizes, large enough that some proposals are rejected
+        return fnebm.mala(energy, torch.linspace(0.1, 0.6, math.prod(chains), device=DEVICE).reshape(chains))
+    return fnebm.langevin(energy, 0.05, 0.8)
+
+
+def _assert_runs_close(a, b):
+    (chain_a, trace_a, info_a), (chain_b, trace_b, info_b) = a, b
+    torch.testing.assert_close(trace_a, trace_b, **CHAIN_TOL)
+    for x, y in zip((*chain_a.state, *info_a), (*chain_b.state, *info_b)):
+        if x.dtype == torch.bool:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, **CHAIN_TOL)
+    assert type(info_a) is type(info_b) and type(chain_a.state) is type(chain_b.state)
+    assert torch.equal(chain_a.keys, chain_b.keys) and torch.equal(chain_a.steps_taken, chain_b.steps_taken)
+
+
+@pytest.mark.parametrize("sampler, name", [("langevin", "double_well"), ("mala", "gaussian")])
+def test_sample_chain_triton_equals_eager(kernels_on_cpu, sampler, name):
+    """sample_chain(backend="triton") against backend="eager" for the same key: 2 burn-in + 4
+    steps thinned by 2 in one launch, then continued from the ChainState for 4 more in launches
+    of 2 steps (chunk_size) into the caller's out= buffers. ~10 interpreted steps (~2 s)."""
+    chains, d = (6,), 5
+    energy = _covered(name, d)
+    alg = _alg(sampler, energy, chains)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(5, DEVICE), chains + (d,)))
+    kw = dict(burn_in=2, thin=2, progress=False)
+    first = {b: fnebm.sample_chain(alg.step, state, fr.key(3, DEVICE), 4, backend=b, **kw) for b in ("triton", "eager")}
+    _assert_runs_close(first["triton"], first["eager"])
+    if sampler == "mala":
+        accepted = first["eager"][2].is_accepted
+        assert accepted.any() and not accepted.all()
+
+    done = []
+    out = tuple(torch.zeros_like(t) for t in (first["triton"][1],)) + (type(first["triton"][2])(
+        *(torch.zeros_like(t) for t in first["triton"][2])),)
+    more = fnebm.sample_chain(alg.step, first["triton"][0], None, 4, thin=2, backend="triton", chunk_size=2, out=out,
+                              on_chunk=lambda i, n, s: done.append((i, n)), progress=False)
+    assert done == [(2, 4), (4, 4)]
+    assert more[1] is out[0] and more[2][0] is out[1][0]  # written in place
+    _assert_runs_close(more, fnebm.sample_chain(alg.step, first["eager"][0], None, 4, thin=2, backend="eager",
+                                                progress=False))
+
+
+def test_backend_rules(kernels_on_cpu, monkeypatch):
+    """Which backend serves what, and why backend="triton" refuses (no kernel runs: cheap)."""
+    energy = _covered("harmonic", 3)
+    alg = fnebm.mala(energy, 0.1)
+    x = fr.normal(fr.key(6, DEVICE), (4, 3))
+    state = torch.func.vmap(alg.init)(x)
+    key = fr.key(0, DEVICE)
+    chain = fnebm.chain.init(state, key)
+
+    def refuses(match, step=alg.step, chain=chain, collect=chain_backend.position):
+        with pytest.raises(ValueError, match=match):
+            chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="triton")
+        assert chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="auto") is None
+
+    # served on CPU by "triton" under the interpreter with the test switch, never by "auto"
+    assert chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
+                                       backend="triton") is not None
+    for b in ("auto", "compiled", "eager"):
+        assert chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
+                                           backend=b) is None
+    refuses("not fnebm.langevin", step=fnebm.vmap_chains(lambda s, k: alg.step(s, k)))
+    refuses("not fnebm.langevin", step=fnebm.hmc(energy, 0.1, num_integration_steps=3).step)
+    refuses("collect", collect=lambda s: s.position)
+    refuses("Rosenbrock", step=fnebm.mala(E.rosenbrock(dtype=torch.float32, device=DEVICE), 0.1).step)
+    refuses("full precision", step=fnebm.mala(E.gaussian(torch.zeros(3), torch.eye(3) + 0.5, dtype=torch.float32,
+                                                         device=DEVICE), 0.1).step)
+    e64 = E.harmonic(2.0, dtype=torch.float64, device=DEVICE)
+    alg64 = fnebm.mala(e64, 0.1)
+    refuses("float32", step=alg64.step, chain=fnebm.chain.init(torch.func.vmap(alg64.init)(x.double()), key))
+    refuses("LangevinState", step=fnebm.langevin(energy, 0.1).step)  # a MALAState given to Langevin
+    refuses("gradient", step=fnebm.mala(energy, torch.tensor(0.1, device=DEVICE, requires_grad=True)).step)
+    refuses("neither 0-dim nor per chain", step=fnebm.mala(energy, torch.full((5,), 0.1, device=DEVICE)).step)
+    monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", False)
+    refuses("not a CUDA device")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fnebm.sample_chain(alg.step, state, key, 2, backend="gpu")
+    plans = []
+    fnebm.sample_chain(alg.step, state, key, 2, backend="eager", compile=True, on_plan=plans.append, progress=False)
+    assert not plans[0].compiled  # "eager" overrides compile

@@ -37,8 +37,9 @@ from torch import Tensor
 
 from fnebm.chain.loop import needs_grad, position
 from fnebm.chain.schedule import chunks, kept_in
-from fnebm.samplers import langevin as _langevin
-from fnebm.samplers import mala as _mala
+# fnebm.samplers exports the constructors langevin and mala, which hide these modules' names
+_langevin = importlib.import_module("fnebm.samplers.langevin")
+_mala = importlib.import_module("fnebm.samplers.mala")
 
 __all__ = ["BACKENDS", "check_backend", "compile_setting", "kernel_runner", "why_not"]
 
