@@ -566,9 +566,10 @@ def per_example(loss: Callable[..., tuple[Tensor, Any]]) -> Callable[..., tuple[
     _checks.check_callable("loss", loss, "loss(energy, batch, key, *state) -> (value, aux), e.g. an fnebm.losses loss")
 
     def f(energy: Any, batch: Tensor, keys: Tensor, *state: Any) -> tuple[Tensor, Any]:
-        if not isinstance(batch, Tensor) or batch.ndim < 1 or batch.shape[0] == 0:
-            raise ValueError(f"batch must be a tensor (n, *event) with n >= 1, got "
-                             f"{tuple(batch.shape) if isinstance(batch, Tensor) else type(batch).__name__}")
+        if not isinstance(batch, Tensor):
+            raise TypeError(f"batch must be a tensor (n, *event), got {type(batch).__name__}")
+        if batch.ndim < 1 or batch.shape[0] == 0:
+            raise ValueError(f"batch must have shape (n, *event) with n >= 1, got {tuple(batch.shape)}")
         _checks.check_key(keys, "keys")
         n = batch.shape[0]
         if keys.shape != (n, 2):

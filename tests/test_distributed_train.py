@@ -12,8 +12,9 @@ trains, eagerly and in float64:
   under FSDP2's ``fully_shard``, 6 examples split 3 + 3.
 
 The parent runs the same code with no process group (every helper the identity) on the
-combined batch and compares. Cost: about 25-35 s on the loaded 2-core machine, mostly the two
-processes' start (importing torch), plus ~3 s for the one-process references.
+combined batch and compares. Cost: about 40 s in all on the loaded 2-core machine (load
+average 8), nearly all of it the spawned run (two processes importing torch, then eager
+training) and the one-process references; the other tests take well under a second each.
 
 **Tolerance.** Not bit-exact: the ranks average their gradients (``sum_r n_r g_r / n``) where one
 process takes one mean over all examples, and ``vmap`` over 3 examples runs other BLAS blocks
@@ -319,6 +320,8 @@ def test_bad_arguments(tmp_path):
         f(energy, batch, fr.split(fr.key(0), 3))
     with pytest.raises(ValueError, match="state leaf"):
         fdist.per_example(PCD)(energy, batch, fr.split(fr.key(0), 4), start_chains())  # 5 chains, 4 examples
+    with pytest.raises(TypeError, match="batch"):
+        f(energy, batch.tolist(), fr.split(fr.key(0), 4))
     with pytest.raises(TypeError, match="loss"):
         fdist.per_example("dsm")
     with pytest.raises(ValueError, match="key must be one key"):
