@@ -6,7 +6,8 @@ trains, eagerly and in float64:
 
 * persistent CD (MALA, a replay ring per chain) with ``torch.func.grad`` over a parameter dict,
   ``all_reduce_mean`` and a functional Adam, 5 examples split 3 + 2 (uneven: the weighted
-  mean), a checkpoint half-way, then a resume from it on the same two ranks;
+  mean), a checkpoint half-way, then a resume from it on the same two ranks, and one from a
+  checkpoint a single process saved (the chains re-sharded 5 -> 3 + 2);
 * denoising score matching, the same way (no chains);
 * CD with an ``nn.Module`` and ``torch.optim.Adam`` under ``DistributedDataParallel``, and
   under FSDP2's ``fully_shard``, 6 examples split 3 + 3.
@@ -186,6 +187,10 @@ def _worker(rank, out):
     assert state["step"] == SAVE_AT
     params2, _, chains2, _ = functional_train(PCD, state["params"], state["opt"], chains2, SAVE_AT, N_STEPS, N_PCD)
     res["pcd_resumed"] = {"params": params2, "chains": fdist.gather_chains(chains2, dim=0)}
+    state, chains3 = fdist.load_checkpoint(os.path.join(out, "ckpt1"))  # saved by one process: 5 -> 3 + 2
+    res["from_one"] = {"local_chains": chains3.positions.shape[0]}
+    params3, _, chains3, _ = functional_train(PCD, state["params"], state["opt"], chains3, SAVE_AT, N_STEPS, N_PCD)
+    res["from_one"].update(params=params3, chains=fdist.gather_chains(chains3, dim=0))
     res["dsm"] = functional_train(DSM, p0, adam_init(p0), None, 0, N_STEPS, N_PCD)[::3]  # parameters, gradients
     res["ddp"] = module_params(module_train(ddp))
     res["fsdp2"] = module_params(module_train(fsdp2))
@@ -195,6 +200,8 @@ def _worker(rank, out):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("train2")
+    p0 = init_params()  # a checkpoint from one process, for the ranks to re-shard
+    functional_train(PCD, p0, adam_init(p0), start_chains(), 0, SAVE_AT + 1, N_PCD, ckpt=out / "ckpt1", save_at=SAVE_AT)
     _spawn(_worker, out, str(out))
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -260,6 +267,13 @@ def test_resume_on_one_process_reshards_the_chains(two_ranks, one_process):
     params, _, chains, _ = functional_train(PCD, state["params"], state["opt"], chains, SAVE_AT, N_STEPS, N_PCD)
     close(params, one_process["pcd"]["params"])
     close(chains, one_process["pcd"]["chains"])
+
+
+def test_resume_on_two_ranks_from_one_process(two_ranks, one_process):
+    _, (r0, r1) = two_ranks
+    assert (r0["from_one"]["local_chains"], r1["from_one"]["local_chains"]) == (3, 2)
+    close(r0["from_one"]["params"], one_process["pcd"]["params"])
+    close(r0["from_one"]["chains"], one_process["pcd"]["chains"])
 
 
 def test_a_wrong_layout_is_caught(one_process):
