@@ -559,7 +559,8 @@ def per_example(loss: Callable[..., tuple[Tensor, Any]]) -> Callable[..., tuple[
 
     ``batch: (n, *event)``, ``keys: (n, 2)`` (:func:`step_keys`), each state leaf ``(n, ...)``.
     The losses are means over examples, so the mean of ``n`` batches of one is the loss of the
-    batch (CD's negatives: one chain per example). Used on every rank and in one process alike:
+    batch (CD's negatives: one chain per example, so CD's ``init`` is ``"data"`` or ``"noise"``,
+    not a tensor of starts). Used on every rank and in one process alike:
     it communicates nothing. Under ``torch.compile`` the sampler loop must unroll (the losses'
     default ``unroll=None`` does): on torch 2.13 a ``scan`` cannot run under ``vmap``.
     """
