@@ -7,11 +7,15 @@ torch ops (``torch.ops.fnebm.*``) so they sit inside ``torch.compile`` graphs.
 * :mod:`fnebm.kernels.langevin_chain` — whole Langevin or MALA chains in one launch for the
   separable analytic energies (double well, harmonic, diagonal Gaussian, Rastrigin): positions
   in registers, noise and uniforms in-kernel, kept draws written straight into the trace.
+* :mod:`fnebm.kernels.gaussian` — energy and score of a Gaussian with a full precision matrix
+  for a batch in one pass (``tl.dot``).
 
-The twins import without triton; the kernels and ops need it (``HAS_TRITON``). Nothing here
-is dispatched to automatically yet: see docs/kernels.md.
+The twins import without triton; the kernels and ops need it (``HAS_TRITON``).
+``fnebm.sample_chain(..., backend=)`` (:mod:`fnebm.chain.backend`) dispatches to the whole-chain
+kernels; see docs/kernels.md for the rules.
 """
 
+from fnebm.kernels.gaussian import gaussian_energy_score, gaussian_energy_score_torch
 from fnebm.kernels.langevin_chain import (
     LangevinChain,
     MALAChain,
@@ -32,4 +36,6 @@ __all__ = [
     "langevin_chain_torch",
     "mala_chain",
     "mala_chain_torch",
+    "gaussian_energy_score",
+    "gaussian_energy_score_torch",
 ]
