@@ -5,12 +5,21 @@ samplers are ``SamplingAlgorithm(init, step)`` pairs (:mod:`fnebm.samplers`), an
 :func:`sample_chain` runs a whole chain as one compiled region.
 """
 
-from fnebm import adaptation, chain, diagnostics, energies, integrators, random, samplers
-from fnebm.adaptation import window_adaptation
-from fnebm.chain import ChainState, sample_chain
-from fnebm.gradients import score, value_and_grad
-from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains
-from fnebm import datasets, losses
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:
+    # OpenMP threads that spin at barriers turn a busy neighbour core into a 3-5x slowdown of
+    # every compiled step (docs/performance.md); sleeping threads cost little on a quiet
+    # machine. Only possible before torch loads OpenMP, and never over a user's own setting.
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from fnebm import adaptation, chain, diagnostics, energies, integrators, random, samplers  # noqa: E402
+from fnebm.adaptation import window_adaptation  # noqa: E402
+from fnebm.chain import ChainState, sample_chain  # noqa: E402
+from fnebm.gradients import score, value_and_grad  # noqa: E402
+from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains  # noqa: E402
+from fnebm import datasets, losses  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -37,3 +46,4 @@ __all__ = [
     "losses",
 ]
 from fnebm import distributed  # noqa: E402  (chains across processes; the identity in one)
+from fnebm.profiling import SamplingProfile, profile_sampling  # noqa: E402  (times a run; above chain)
