@@ -144,7 +144,14 @@ COVERED = ["double_well", "harmonic", "gaussian", "rastrigin"]
 
 def _start(energy, chains, d, seed=0):
     x = fr.normal(fr.key(seed, DEVICE), chains + (d,))
-    return x, energy(x), energy.grad(x)
+    return x, _over(energy, x), _over(energy.grad, x)
+
+
+def _over(fn, x):
+    # an energy takes one sample (d,): map it over the leading axes
+    for _ in range(x.ndim - 1):
+        fn = torch.func.vmap(fn)
+    return fn(x)
 
 
 def _assert_chain_close(got, want):
@@ -179,7 +186,7 @@ def test_chain_noise_schedule_and_tails():
     assert trace_buf[n_kept].isnan().all() and div_buf[n_kept].all()  # nothing written past the end
     last = fr.normal(fr.fold_in(keys, start + burn_in + n_steps - 1), (d,))
     torch.testing.assert_close(final[0], last, **TOL)
-    torch.testing.assert_close(final[1], energy(last), **TOL)
+    torch.testing.assert_close(final[1], _over(energy, last), **TOL)
     torch.testing.assert_close(final[2], 2.0 * last, **TOL)
 
 
@@ -386,8 +393,8 @@ def test_gaussian_matches_twin_and_energy(batch, d):
     torch.testing.assert_close(energy, twin_e, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(score, twin_s, rtol=1e-5, atol=1e-5)
     g = E.gaussian(mean, precision=precision)
-    torch.testing.assert_close(energy, g(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(score, -g.grad(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(energy, _over(g, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(score, -_over(g.grad, x), rtol=1e-5, atol=1e-5)
 
 
 def test_gaussian_op_gradients_and_registration():

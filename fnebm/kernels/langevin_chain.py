@@ -194,6 +194,13 @@ def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_st
     return chains, start, step_size, noise_scale
 
 
+def _over_chains(fn, x: Tensor) -> Tensor:
+    # an energy's one-sample function (x: (d,)) mapped over the chain axes, as the samplers do
+    for _ in range(x.ndim - 1):
+        fn = torch.func.vmap(fn)
+    return fn(x)
+
+
 def _chain_twin(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
     chains = tuple(keys.shape[:-1])
     d = x.shape[-1]
@@ -208,7 +215,7 @@ def _chain_twin(energy_fn, x, energy, grad, keys, start, step_size, noise_scale,
             pair = fr.split(key)
             key, u_key = pair[..., 0, :], pair[..., 1, :]
         proposal = x - h * grad + scale * fr.normal(key, (d,), x.dtype)
-        new_energy, new_grad = energy_fn(proposal), energy_fn.grad(proposal)
+        new_energy, new_grad = _over_chains(energy_fn, proposal), _over_chains(energy_fn.grad, proposal)
         finite = new_energy.isfinite() & new_grad.isfinite().all(-1)
         if mala:  # fnebm.samplers.mala.log_acceptance_ratio and proposal.metropolis_hastings
             forward = proposal - x + h * grad
