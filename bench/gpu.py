@@ -154,7 +154,8 @@ def compile_only() -> None:
         m, block_c, block_m, num_warps = lc._grid(chains, dim)
         for family, fname in enumerate(("double_well", "harmonic", "gaussian", "rastrigin")):
             for mala in (False, True):
-                sig = {a: pointers.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in lc.langevin_chain_kernel.arg_names}
+                sig = {a: pointers.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+                       for a in lc.langevin_chain_kernel.arg_names}
                 sig.update(ENERGY="constexpr", MALA="constexpr", BLOCK_C="constexpr", BLOCK_M="constexpr")
                 report(f"langevin_chain {fname} mala={mala} {chains}x{dim} ({block_c}x{block_m}, {num_warps} warps)",
                        lc.langevin_chain_kernel, sig, dict(ENERGY=family, MALA=mala, BLOCK_C=block_c, BLOCK_M=block_m),

@@ -359,6 +359,15 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     refuses("LangevinState", step=fnebm.langevin(energy, 0.1).step)  # a MALAState given to Langevin
     refuses("gradient", step=fnebm.mala(energy, torch.tensor(0.1, device=DEVICE, requires_grad=True)).step)
     refuses("neither 0-dim nor per chain", step=fnebm.mala(energy, torch.full((5,), 0.1, device=DEVICE)).step)
+    # out= buffers: checked before any launch; non-contiguous ones are filled by a copy (2 steps)
+    with pytest.raises(ValueError, match="out"):
+        fnebm.sample_chain(alg.step, state, key, 2, backend="triton", out=(torch.empty(2, 4, 3, device=DEVICE),))
+    ref = fnebm.sample_chain(alg.step, state, key, 2, backend="triton", progress=False)
+    strided = (torch.empty(3, 4, 2, device=DEVICE).permute(2, 1, 0),
+               type(ref[2])(*(torch.empty_like(t.mT).mT for t in ref[2])))
+    got = fnebm.sample_chain(alg.step, state, key, 2, backend="triton", out=strided, progress=False)
+    assert got[1] is strided[0] and not got[1].is_contiguous()
+    _assert_runs_close(got, ref)
     if DEVICE == "cpu":
         monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", False)
         refuses("not a CUDA device")

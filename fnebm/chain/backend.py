@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import os
 import sys
 import time
@@ -111,7 +110,8 @@ def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
     if x.dtype not in lc._DTYPES:
         return f"the position is {x.dtype}; the kernels cover float32 (the stream's normals are float32)"
     if energy.dtype != x.dtype or energy.device != device:
-        return f"the energy's parameters are {energy.dtype} on {energy.device}, not the position's {x.dtype} on {device}"
+        return (f"the energy's parameters are {energy.dtype} on {energy.device}, not the position's {x.dtype} "
+                f"on {device}")
     chains = tuple(chain.keys.shape[:-1])
     if x.ndim != len(chains) + 1:
         return f"the position {tuple(x.shape)} is not (*chains, d) for chains {chains}: the kernels take one event axis"
@@ -169,11 +169,13 @@ def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: in
     if out is None:
         return trace, info, None
     want = pytree.tree_leaves((trace, info))
-    if not (isinstance(out, tuple) and len(out) == 2) or pytree.tree_structure(out) != pytree.tree_structure((trace, info)):
+    pair = isinstance(out, tuple) and len(out) == 2
+    if not pair or pytree.tree_structure(out) != pytree.tree_structure((trace, info)):
         raise ValueError(f"out must be a (trace, info) pair as this run returns: a tensor and a {type(info).__name__}")
     for got, w in zip(pytree.tree_leaves(out), want):
         if not isinstance(got, Tensor) or got.shape != w.shape or got.dtype != w.dtype or got.device != w.device:
-            raise ValueError(f"out's buffers must have the shapes and dtypes {[(tuple(t.shape), t.dtype) for t in want]} "
+            shapes = [(tuple(t.shape), t.dtype) for t in want]
+            raise ValueError(f"out's buffers must have the shapes and dtypes {shapes} "
                              f"on {x.device}")
     if all(t.is_contiguous() for t in pytree.tree_leaves(out)):
         return out[0], out[1], None  # the kernel writes the caller's buffers directly

@@ -173,6 +173,7 @@ def gaussian_energy_score(x: Tensor, mean: Tensor, precision: Tensor) -> tuple[T
     :func:`fnebm.energies.gaussian`: ``gaussian_energy_score(x, g.mean, g.precision)``.
     """
     if not HAS_TRITON:
-        raise RuntimeError("gaussian_energy_score needs triton; gaussian_energy_score_torch computes the same without it")
+        raise RuntimeError("gaussian_energy_score needs triton; gaussian_energy_score_torch computes the same "
+                           "without it")
     _check(x, mean, precision, dtypes=_DTYPES)
     return torch.ops.fnebm.gaussian_energy_score(x, mean, precision)

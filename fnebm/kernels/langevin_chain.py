@@ -158,7 +158,8 @@ def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_st
     if reason is not None:
         raise TypeError(f"energy_fn: {reason}")
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point or x.ndim < 1:
-        raise TypeError(f"position must be a floating-point tensor (*chains, d), got {getattr(x, 'shape', type(x).__name__)}")
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"position must be a floating-point tensor (*chains, d), got {got}")
     if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"position must have dtype in {[str(t) for t in dtypes]} for the Triton kernel, got {x.dtype} "
                         "(the twins take any float dtype)")
@@ -202,7 +203,6 @@ def _over_chains(fn, x: Tensor) -> Tensor:
 
 
 def _chain_twin(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
-    chains = tuple(keys.shape[:-1])
     d = x.shape[-1]
     h = step_size.reshape(step_size.shape + (1,)) if step_size.ndim else step_size
     scale = (noise_scale.reshape(noise_scale.shape + (1,)) if noise_scale.ndim else noise_scale) * (2.0 * h).sqrt()
@@ -442,8 +442,10 @@ if HAS_TRITON:
                 ok = finite & (tl.sum(tl.where(fin, 0, 1), axis=1, keep_dims=True) == 0)
                 take = ok & live_c
                 rate = tl.where(ok, 1.0, 0.0)
-            x0, x1, x2, x3 = tl.where(take, p0, x0), tl.where(take, p1, x1), tl.where(take, p2, x2), tl.where(take, p3, x3)
-            g0, g1, g2, g3 = tl.where(take, n0, g0), tl.where(take, n1, g1), tl.where(take, n2, g2), tl.where(take, n3, g3)
+            x0, x1 = tl.where(take, p0, x0), tl.where(take, p1, x1)
+            x2, x3 = tl.where(take, p2, x2), tl.where(take, p3, x3)
+            g0, g1 = tl.where(take, n0, g0), tl.where(take, n1, g1)
+            g2, g3 = tl.where(take, n2, g2), tl.where(take, n3, g3)
             e = tl.where(take, en, e)
             j = s - first
             if (j >= 0) & (j % thin == 0) & (j < n_kept * thin):
