@@ -30,6 +30,7 @@ import itertools
 import math
 import statistics
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -92,9 +93,9 @@ class SamplingProfile(NamedTuple):
     method: str
 
     def __str__(self) -> str:
-        chains = "x".join(map(str, self.chains)) if self.chains else "1"
+        chains = "x".join(map(str, self.chains)) + " chains" if self.chains else "one chain"
         lines = [
-            f"fnebm.profile_sampling: {chains} chains, {self.steps} steps per run, {self.mode}, on {self.device}",
+            f"fnebm.profile_sampling: {chains}, {self.steps} steps per run, {self.mode}, on {self.device}",
             f"  compile               {'-' if self.compile_s is None else _fmt(self.compile_s)}",
             f"  time to first result  {_fmt(self.first_result_s)}",
             f"  warm run              {_fmt(self.warm_s)}  (median of {self.repeats})",
@@ -114,7 +115,7 @@ class SamplingProfile(NamedTuple):
         if self.parts_over_step > 1:
             lines.append(f"  the parts timed alone add up to {self.parts_over_step:.2f}x the step "
                          "(fused in it): shares are of their sum")
-        lines.append(f"  method: {self.method}")
+        lines.append(textwrap.fill(self.method, 100, initial_indent="  method: ", subsequent_indent="    "))
         return "\n".join(lines)
 
 
