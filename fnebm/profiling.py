@@ -12,8 +12,8 @@ same shapes, the parts of a step that can be cut out of it:
   step's info) at every step;
 
 each as a loop of the run's length, compiled (with a cache of this module's own, so your
-graphs and compile counts are untouched) or eager as the run is, warm, the median of the
-timed repeats. **Update and checks** is the remainder: the warm step minus those parts (it
+graphs and compile counts are untouched) or eager as the run is, warm, the median over the
+timed repeats of its time less an empty loop's (the run pays its loop once). **Update and checks** is the remainder: the warm step minus those parts (it
 holds the proposal arithmetic, the accept/reject, the finiteness checks, the carry copies and
 the loop itself). Parts timed alone can cost more than inside the fused step; when they add up
 to more than the step, the remainder is 0 and the shares are of their sum
@@ -44,8 +44,9 @@ from torch._higher_order_ops.scan import scan
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain import ChainState, sample_chain
+from fnebm.chain import ChainState, RunnerCache, sample_chain
 from fnebm.chain import init as chain_init
+from fnebm.chain.runner import code_key
 from fnebm.gradients import value_and_grad
 from fnebm.samplers.base import SamplingAlgorithm, over_batch
 
@@ -495,8 +496,6 @@ def profile_sampling(
     total = burn_in + n_steps
 
     # the run itself, cold then warm: sample_chain as the user calls it, in a cache of its own
-    from fnebm.chain import RunnerCache
-
     runners = RunnerCache(maxsize=2, backend=backend)
 
     def run():
@@ -528,7 +527,7 @@ def profile_sampling(
             x = fr.normal(fr.key(0, device=xdev), shape, dtype)
         x = _chains_last(x, n_axes)
         carry = tuple(over_batch(value_and_grad(energy_fn), levels)(x))
-        grad_key = ("gradient", _code_key(energy_fn), levels, shape, dtype, xdev)
+        grad_key = ("gradient", code_key(energy_fn), levels, shape, dtype, xdev)
         grad_fn = (_compiled(grad_key, functools.partial(_make_gradient, levels), backend) if compile
                    else _make_gradient(levels))
         pieces["gradient"] = lambda: grad_fn(energy_fn, x, carry, ts)
@@ -618,9 +617,3 @@ def profile_sampling(
         draws_per_step=draws_per_step,
         method=method,
     )
-
-
-def _code_key(energy: Any) -> Any:
-    from fnebm.chain.runner import code_key
-
-    return code_key(energy)
