@@ -18,7 +18,7 @@ import tempfile  # noqa: F401  (tests patch cli.tempfile.mkstemp)
 import torch
 
 import fnebm
-from fnebm.cli._common import PROG, RunError, UsageError, _one_line, _Parser, write_atomic
+from fnebm.cli._common import PROG, RunError, UsageError, _one_line, _Parser, is_out_of_memory, write_atomic
 from fnebm.cli.presets import DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, EnergySpec, demo_command
 from fnebm.cli.sample import _add_run_options, _chunk_size, _sample, format_summary, plot
 from fnebm.cli.train import (TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options, _train, mlp_energy,
@@ -58,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except torch.OutOfMemoryError as e:
-        print(f"{PROG}: error: out of memory ({_one_line(e)[:200]}); try fewer --chains or --steps", file=sys.stderr)
-        return 1
+    except (RuntimeError, MemoryError) as e:  # the CPU allocator raises RuntimeError, CUDA's OutOfMemoryError
+        if not is_out_of_memory(e):
+            raise
+        print(f"{PROG}: error: out of memory ({_one_line(e)[:200]}); use fewer --chains or --steps, or a larger "
+              "--thin", file=sys.stderr)
+        return 2
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ output-path checks, and atomic writes of the files it produces."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -122,3 +123,108 @@ def write_atomic(files: list[tuple[str, Callable[[BinaryIO], None]]]) -> None:
             except FileNotFoundError:
                 pass
 
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} PiB"  # unreachable
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that a run can still allocate on ``device``: free device memory on CUDA, the kernel's
+    MemAvailable (else free physical pages) on the CPU; ``None`` where it cannot be told."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+_OOM_MARKS = ("out of memory", "can't allocate memory", "not enough memory", "defaultcpuallocator",
+              "failed to allocate", "cannot allocate memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocator's failure: ``torch.OutOfMemoryError`` on a GPU, a ``RuntimeError`` (or
+    ``MemoryError``) from the CPU allocator."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _OOM_MARKS)
+
+
+# ----------------------------------------------------------------------- compile times
+
+
+_COMPILE_TIMES = "fnebm-cli-compile-times.json"
+
+
+def _compile_times_path() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return os.path.join(cache_dir(), _COMPILE_TIMES)
+    except Exception:  # noqa: BLE001  (a private module: any failure means no record)
+        return None
+
+
+def compile_cache_dir() -> str | None:
+    """Where Inductor keeps compiled code between processes (``None`` if unknown)."""
+    path = _compile_times_path()
+    return None if path is None else os.path.dirname(path)
+
+
+def compile_times() -> dict[str, dict[str, float]]:
+    """Compile times measured on this machine: ``{configuration: {"first": s, "last": s}}``. Kept
+    beside Inductor's on-disk cache, so clearing the cache clears them too."""
+    path = _compile_times_path()
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)
+            and all(isinstance(v.get(f), (int, float)) for f in ("first", "last"))}
+
+
+def record_compile_time(config: str, seconds: float) -> None:
+    """Remember how long ``config`` took to compile (best effort: a failure is ignored)."""
+    path = _compile_times_path()
+    if path is None:
+        return
+    data = compile_times()
+    entry = data.get(config)
+    data[config] = {"first": entry["first"] if entry else round(seconds, 2), "last": round(seconds, 2)}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{_COMPILE_TIMES}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except (OSError, UnboundLocalError):
+            pass

@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 import time
+from statistics import NormalDist
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
@@ -14,9 +15,22 @@ from torch import Tensor
 import fnebm
 from fnebm import diagnostics
 from fnebm import random as fr
-from fnebm.cli._common import RunError, UsageError, _destination, _device, _float_or_none, _fmt, _sync, write_atomic
-from fnebm.cli.presets import (ADAPTIVE, DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, _build, _collect,
-                               _extra)
+from fnebm.cli._common import (RunError, UsageError, _destination, _device, _float_or_none, _fmt, _sync,
+                               available_memory, compile_cache_dir, compile_times, format_bytes,
+                               record_compile_time, write_atomic)
+from fnebm.cli.presets import (ADAPTIVE, DEFAULT_ENERGY, DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, Truth, _algorithm,
+                               _build, _collect, _extra, default_step_size, default_steps, truth_of)
+
+# A chain is a runaway when a kept draw lies this many interquartile ranges (of all draws,
+# per coordinate) from the median, or is not finite: 50 IQRs is 67 standard deviations of a
+# Gaussian, which no chain of a sampler that works reaches.
+RUNAWAY_IQRS = 50.0
+# A chain that did not move over this many kept draws or more is frozen.
+FROZEN_MIN_DRAWS = 10
+# R-hat above this: the chains disagree (Vehtari et al. 2021).
+RHAT_OK = 1.01
+# The mixing verdict needs this many chains: with fewer, separate modes and slow chains look alike.
+MIXING_MIN_CHAINS = 16
 
 
 def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
@@ -30,8 +44,8 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         p.add_argument("--step-size", type=float, default=DEMO["step_size"], help=hide)
         p.add_argument("--plot", default=DEMO_PLOT, metavar="PATH", help=f"PNG to write (default: {DEMO_PLOT})")
     else:
-        p.add_argument("--energy", default="double_well", metavar="NAME",
-                       help=f"one of {', '.join(ENERGIES)} (default: double_well)")
+        p.add_argument("--energy", default=DEFAULT_ENERGY, metavar="NAME",
+                       help=f"one of {', '.join(ENERGIES)} (default: {DEFAULT_ENERGY})")
         p.add_argument("--dim", type=int, default=2, metavar="D", help="dimension of x (default: 2)")
         p.add_argument("--sampler", default="mala", metavar="NAME",
                        help=f"one of {', '.join(SAMPLERS)} (default: mala)")
@@ -39,12 +53,15 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
                        help="hmc/nuts: warm-up steps of window adaptation (step size and diagonal mass "
                             "matrix) before burn-in and sampling (default: steps // 2; 0: none)")
         p.add_argument("--chains", type=int, default=1024, metavar="N", help="chains run in parallel (default: 1024)")
-        p.add_argument("--steps", type=int, default=1000, metavar="N", help="steps after burn-in (default: 1000)")
+        p.add_argument("--steps", type=int, default=None, metavar="N",
+                       help="steps after burn-in (default: the energy's, about 200 autocorrelation times; "
+                            "see docs/cli.md)")
         p.add_argument("--burn-in", type=int, default=None, metavar="N",
                        help="steps run first and not kept (default: steps // 4; 0 after --adapt)")
-        p.add_argument("--thin", type=int, default=1, metavar="N", help="keep every N-th step (default: 1)")
+        p.add_argument("--thin", type=int, default=None, metavar="N",
+                       help="keep every N-th step (default: steps // 1000, at least 1)")
         p.add_argument("--step-size", type=float, default=None, metavar="H",
-                       help="sampler step size (default: the energy's, see docs/cli.md)")
+                       help="sampler step size (default: the energy's for the sampler and dim, see docs/cli.md)")
         p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the key (default: 0)")
         p.add_argument("--dtype", default="float32", metavar="NAME", help="float32 or float64 (default: float32)")
         p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot of the draws")
@@ -52,8 +69,12 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--device", default=None, metavar="NAME",
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="debugging aid: run the steps eagerly, without torch.compile (same draws, much slower)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--compile", dest="compile", action="store_const", const=True, default="auto",
+                     help="always compile the steps with torch.compile (default: compile only when running "
+                          "them eagerly would take longer than a compile)")
+    how.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                     help="never compile: run the steps eagerly (same draws up to float rounding)")
 
 
 
@@ -76,7 +97,7 @@ class Config(NamedTuple):
     out: str | None
     plot: str | None
     progress: bool
-    compile: bool
+    compile: bool | str
 
 
 
@@ -89,26 +110,28 @@ def _config(args: argparse.Namespace) -> Config:
         raise UsageError(f"unknown dtype {args.dtype!r} (choose from {', '.join(DTYPES)})")
     for flag, value in (("--dim", args.dim), ("--chains", args.chains), ("--steps", args.steps),
                         ("--thin", args.thin)):
-        if value < 1:
+        if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    steps = default_steps(args.energy, args.dim, args.sampler) if args.steps is None else args.steps
+    thin = max(1, steps // 1000) if args.thin is None else args.thin
     adaptive = args.sampler in ADAPTIVE
     if args.adapt is not None and args.adapt < 0:
         raise UsageError(f"--adapt must be >= 0, got {args.adapt}")
     if args.adapt and not adaptive:
         raise UsageError(f"--adapt tunes a mass matrix: use it with --sampler {' or '.join(ADAPTIVE)}, "
                          f"not {args.sampler}")
-    adapt = (args.steps // 2 if adaptive else 0) if args.adapt is None else args.adapt
-    burn_in = (0 if adapt else args.steps // 4) if args.burn_in is None else args.burn_in
+    adapt = (steps // 2 if adaptive else 0) if args.adapt is None else args.adapt
+    burn_in = (0 if adapt else steps // 4) if args.burn_in is None else args.burn_in
     if burn_in < 0:
         raise UsageError(f"--burn-in must be >= 0, got {burn_in}")
-    if args.thin > args.steps:
-        raise UsageError(f"--thin must be <= --steps to keep any draw, got --thin {args.thin} --steps {args.steps}")
+    if thin > steps:
+        raise UsageError(f"--thin must be <= --steps to keep any draw, got --thin {thin} --steps {steps}")
     if args.step_size is not None:
         step_size = args.step_size
     elif adapt:  # the adaptation's starting point: the rule of thumb d^(-1/4)
         step_size = args.dim ** -0.25
     else:
-        step_size = ENERGIES[args.energy].step_size
+        step_size = default_step_size(args.energy, args.sampler, args.dim)
     if not (math.isfinite(step_size) and step_size > 0):
         raise UsageError(f"--step-size must be a finite number > 0, got {step_size}")
     try:
@@ -120,25 +143,210 @@ def _config(args: argparse.Namespace) -> Config:
     plot = None if args.plot is None else _destination("--plot", args.plot)
     if out is not None and out == plot:
         raise UsageError(f"--out and --plot name the same file {args.out}")
-    return Config(
-        energy=args.energy, sampler=args.sampler, dim=args.dim, chains=args.chains, steps=args.steps,
-        adapt=adapt, burn_in=burn_in, thin=args.thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
+    cfg = Config(
+        energy=args.energy, sampler=args.sampler, dim=args.dim, chains=args.chains, steps=steps,
+        adapt=adapt, burn_in=burn_in, thin=thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
         device=str(device), out=out, plot=plot,
-        progress=not args.no_progress and sys.stderr.isatty(), compile=not args.no_compile,
+        progress=not args.no_progress and sys.stderr.isatty(), compile=args.compile,
     )
+    _check_memory(cfg)
+    return cfg
+
+
+def memory_estimate(cfg: Config) -> tuple[int, int, str]:
+    """``(bytes on the run's device, bytes on the host besides, what dominates)``: a rough upper
+    estimate of what the run holds at its peak: the trace (positions, energies and the sampler's
+    info per kept draw), the chunk being copied into it, the chains' state and one step's
+    temporaries, the energy's parameters, and the diagnostics' float64 copy of the trace with
+    their sorting working set."""
+    item = DTYPES[cfg.dtype].itemsize
+    n_kept = cfg.steps // cfg.thin
+    draws = n_kept * cfg.chains
+    info = {"langevin": 1, "mala": item + 2, "hmc": 40, "nuts": 56}[cfg.sampler]
+    trace = draws * ((cfg.dim + 1) * item + info)
+    chunk = trace // 10  # a compiled chunk's output (1/20 of the run) before it is copied
+    state = cfg.chains * (24 * cfg.dim * item + 128)  # position, gradient, proposal, noise, keys, ...
+    spec = ENERGIES[cfg.energy]
+    params = spec.param_bytes(cfg.dim) if spec.param_bytes is not None else 0
+    diag = draws * cfg.dim * 8 + 8 * draws * 8  # float64 trace; sort values, order, ranks of one coordinate
+    device_bytes = trace + chunk + state + params + diag
+    host = 0
+    if cfg.device != "cpu" and (cfg.out is not None or cfg.plot is not None):
+        host = draws * (cfg.dim + 1) * item  # the trace copied to the host to save or plot it
+    what = (f"the trace alone is {cfg.chains} chains x {n_kept} draws x {cfg.dim + 1} values x {item} bytes"
+            f" = {format_bytes(draws * (cfg.dim + 1) * item)}")
+    return device_bytes, host, what
+
+
+def _check_memory(cfg: Config) -> None:
+    """Refuse, before anything is allocated, a run that cannot fit."""
+    need, host, what = memory_estimate(cfg)
+    device = torch.device(cfg.device)
+    places = [(device, need + (host if device.type == "cpu" else 0))]
+    if device.type != "cpu" and host:
+        places.append((torch.device("cpu"), host))
+    for where, n in places:
+        free = available_memory(where)
+        if free is not None and n > free:
+            raise UsageError(
+                f"this run needs about {format_bytes(n)} of memory on {where} ({what}) but {format_bytes(free)} "
+                "is available: use fewer --chains or --steps, or a larger --thin")
 
 
 
 # ---------------------------------------------------------------------------- running
 
 
-def _chunk_size(total: int, n_kept: int, progress: bool) -> int:
-    # sample_chain's default, nudged so that no chunk is one step long: a length-1 scan is
-    # specialised by the compiler and would compile a second graph in the middle of the run.
-    size = min(total, max(2, -(-total // 20)) if progress else max(n_kept, min(total, 256)))
+def _chunk_size(total: int) -> int:
+    # about 20 chunks: a progress bar moves, and a compile shows as the first chunk's extra time.
+    # No chunk is one step long: a length-1 scan is specialised by the compiler and would
+    # compile a second graph in the middle of the run.
+    size = min(total, max(2, -(-total // 20)))
     while size < total and total % size == 1:
         size += 1
     return size
+
+
+def _ramp(burn_in: int, adapted: bool, energy: str | None = None) -> list[tuple[float, int]]:
+    """The burn-in's first steps at smaller step sizes: ``[(fraction of the step size, steps)]``.
+
+    A chain drawn far out in a light tail (a double well's quartic walls, Rosenbrock's ridge) sees
+    a gradient so steep that a full step overshoots: an unadjusted chain runs away, an adjusted
+    one rejects every proposal and freezes. Steps of 1/64, 1/16 and 1/4 the size (``burn_in // 8``
+    each) bring such chains in; the rest of the burn-in runs at the full step. Only for energies
+    marked ``ramp`` (``None``: any), not after ``--adapt`` (its warm-up starts small itself), nor
+    for a burn-in under 16 steps.
+    """
+    if adapted or burn_in < 16 or (energy is not None and not ENERGIES[energy].ramp):
+        return []
+    n = burn_in // 8
+    return [(1 / 64, n), (1 / 16, n), (1 / 4, n)]
+
+
+def _tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def _graph_name(cfg: Config) -> str:
+    return f"{cfg.sampler} {cfg.energy} dim={cfg.dim} chains={cfg.chains} {cfg.dtype} {torch.device(cfg.device).type}"
+
+
+def compile_notice(cfg: Config) -> str:
+    """The line shown before a compile: what, about how long on this machine, and that it is cached."""
+    what = (f"compiling {cfg.sampler} on {cfg.energy} (dim {cfg.dim}, {cfg.chains} chains, {cfg.dtype}, "
+            f"{torch.device(cfg.device).type}) with torch.compile")
+    times = compile_times()
+    kind = torch.device(cfg.device).type
+    mine = times.get(_graph_name(cfg))
+    others = [v["first"] for k, v in times.items() if k.endswith(f" {kind}")]
+    where = compile_cache_dir() or "Inductor's cache directory"
+    if mine is not None:
+        return (f"{what}: about {mine['last']:.0f} s (it took {mine['last']:.0f} s here last time; "
+                f"the code is served from the on-disk cache in {where})")
+    if others:
+        return (f"{what}: about {max(others):.0f} s the first time on this machine (measured here for another "
+                f"configuration); then cached on disk in {where}, so a later run compiles faster")
+    guess = "30-45 s on a 2-core CPU, less on more cores" if kind == "cpu" else "tens of seconds"
+    return (f"{what}: the first time typically {guess}; then cached on disk in {where}, "
+            "so a later run compiles faster")
+
+
+class _Calls:
+    """What the ``sample_chain`` calls of one run report: their plans and their chunks' seconds.
+    It prints the compile notice before a compile and drives the progress bar, which starts once
+    the compile is done."""
+
+    def __init__(self, cfg: Config, total: int):
+        self.cfg, self.total = cfg, total
+        self.plans: list[Any] = []
+        self.chunks: list[tuple[int, int, float]] = []  # (call, steps, seconds)
+        self.planned_at: list[float] = []  # when each call had planned (a compile's imports come next)
+        self.first_done: dict[int, float] = {}  # when each call's first chunk ended
+        self.done = 0
+        self.bar = None
+        self.announced = False
+        self._seen = 0
+
+    def on_plan(self, plan: Any) -> None:
+        self.plans.append(plan)
+        self.planned_at.append(time.perf_counter())
+        self._seen = 0
+        if plan.compiles and not self.announced:
+            self.announced = True
+            if _tty():
+                self._say(f"fnebm: {compile_notice(self.cfg)}")
+        elif not plan.compiles:
+            self._start_bar()
+
+    def on_chunk(self, done: int, total: int, seconds: float) -> None:
+        steps, self._seen = done - self._seen, done
+        self.chunks.append((len(self.plans) - 1, steps, seconds))
+        self.first_done.setdefault(len(self.plans) - 1, time.perf_counter())
+        self.done += steps
+        self._start_bar()
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def _start_bar(self) -> None:
+        if self.bar is None and self.cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.done, unit="step", desc="sampling", file=sys.stderr)
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def _compiles(self) -> tuple[dict[int, tuple[int, float]], float]:
+        """Each compiling call's first chunk ``{call: (steps, seconds)}``, and the seconds per step
+        of the other compiled chunks."""
+        compiling = {i for i, p in enumerate(self.plans) if p is not None and p.compiles}
+        firsts, steps, seconds = {}, 0, 0.0
+        for call, n, s in self.chunks:
+            if call in compiling and call not in firsts:
+                firsts[call] = (n, s)
+            elif self.plans[call] is not None and self.plans[call].compiled:
+                steps, seconds = steps + n, seconds + s
+        return firsts, seconds / steps if steps else 0.0
+
+    def compile_s(self) -> float | None:
+        """Seconds the compiles took: from a compiling call's plan to the end of its first chunk
+        (the compiler's imports, tracing, code generation and that chunk), less what the chunk's
+        steps cost at the rate of the other compiled chunks (``None`` when nothing was compiled)."""
+        firsts, rate = self._compiles()
+        if not firsts:
+            return None
+        return sum(max(0.0, self.first_done[c] - self.planned_at[c] - n * rate) for c, (n, _) in firsts.items())
+
+    def stepping_s(self) -> float:
+        """Seconds the steps took: the synchronised chunk times, less the compiling in them."""
+        firsts, rate = self._compiles()
+        compiling = sum(max(0.0, s - n * rate) for n, s in firsts.values())
+        return max(0.0, sum(s for _, _, s in self.chunks) - compiling)
+
+    def path(self, main: int) -> tuple[bool | None, str]:
+        """``(compiled, why)`` for the main call, and a word on the burn-in ramp's calls if they differ."""
+        if main >= len(self.plans) or self.plans[main] is None:
+            return None, "a hand-written kernel (no plan reported)"
+        plan = self.plans[main]
+        if plan.reason == "compile=True":
+            why = "--compile"
+        elif plan.reason == "compile=False":
+            why = "--no-compile"
+        elif plan.reason.startswith("compiled earlier"):
+            why = plan.reason
+        else:
+            why = "auto: " + plan.reason.removeprefix("eager: ").removeprefix("compiled: ")
+        ramp = [p for p in self.plans[:main] if p is not None and p.compiled != plan.compiled]
+        if ramp:
+            why += f"; {sum(p.steps for p in ramp)} burn-in steps ran {'compiled' if ramp[0].compiled else 'eagerly'}"
+        return plan.compiled, why
 
 
 def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
@@ -161,35 +369,152 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         state, parameters, _ = warmup.run(state, adapt_key, compile=cfg.compile, progress=cfg.progress)
         _sync(device)
         adapt_s = time.perf_counter() - t0
-        alg = SAMPLERS[cfg.sampler](target, **parameters)
+        alg = _algorithm(target, cfg.sampler, cfg.step_size, cfg.dim, parameters)
         imm = parameters["inverse_mass_matrix"]
         imm = getattr(imm, "inverse_mass_matrix", imm)
         adapted = dict(step_size=float(parameters["step_size"]),
                        inverse_mass_matrix_range=(float(imm.min()), float(imm.max())))
 
-    compile_s = None
-    if cfg.compile:
-        # sample_chain reuses one graph for every run length >= 2: a 2-step run compiles it
-        # (a 1-step run has a graph of its own: then that one is compiled)
-        t0 = time.perf_counter()
-        fnebm.sample_chain(alg.step, state, run_key, min(2, cfg.burn_in + cfg.steps), collect=_collect, progress=False)
-        _sync(device)
-        compile_s = time.perf_counter() - t0
-    n_kept = cfg.steps // cfg.thin
+    ramp = _ramp(cfg.burn_in, bool(cfg.adapt), cfg.energy)
+    rest = cfg.burn_in - sum(n for _, n in ramp)
+    calls = _Calls(cfg, cfg.burn_in + cfg.steps)
+    chain, key = state, run_key
     t0 = time.perf_counter()
-    _, (positions, energies), info = fnebm.sample_chain(
-        alg.step, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin, collect=_collect,
-        chunk_size=_chunk_size(cfg.burn_in + cfg.steps, n_kept, cfg.progress),
-        compile=cfg.compile, progress=cfg.progress,
-    )
-    _sync(device)
-    sampling_s = time.perf_counter() - t0
-    summary = _summary(cfg, positions, info, compile_s, sampling_s)
-    summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted)
+    try:
+        for fraction, n in ramp:  # each is one short call: the graph is shared (parameters are data)
+            step = _algorithm(target, cfg.sampler, cfg.step_size * fraction, cfg.dim).step
+            chain, _, _ = fnebm.sample_chain(step, chain, key, n, collect=_collect, chunk_size=n,
+                                             compile=cfg.compile, progress=False,
+                                             on_plan=calls.on_plan, on_chunk=calls.on_chunk)
+            key = None
+        chain, (positions, energies), info = fnebm.sample_chain(
+            alg.step, chain, key, cfg.steps, burn_in=rest, thin=cfg.thin, collect=_collect,
+            chunk_size=_chunk_size(rest + cfg.steps), compile=cfg.compile, progress=False,
+            on_plan=calls.on_plan, on_chunk=calls.on_chunk,
+        )
+        _sync(device)
+    finally:
+        calls.close()
+    wall = time.perf_counter() - t0
+    compile_s = calls.compile_s()
+    if compile_s is not None:
+        record_compile_time(_graph_name(cfg), compile_s)
+    compiled, why = calls.path(len(ramp))
+    sampling_s = calls.stepping_s()
+    summary = _summary(cfg, target, positions, energies, info, compile_s, sampling_s)
+    summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted, compiled=compiled, path=why,
+                   ramp=[[f, n] for f, n in ramp], setup_s=max(0.0, wall - sampling_s - (compile_s or 0.0)))
     return summary, positions, energies, target
 
 
-def _summary(cfg: Config, positions: Tensor, info: Any, compile_s: float | None, sampling_s: float) -> dict:
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def _robust_centre(positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-coordinate median and interquartile range (float64) of up to ~1M finite draws."""
+    flat = positions.reshape(-1, positions.shape[-1])
+    rows = max(1, min(2**20, 2**24 // max(1, flat.shape[1])))
+    sample = flat[:: max(1, -(-flat.shape[0] // rows))].double()
+    sample = sample[torch.isfinite(sample).all(-1)]
+    if sample.shape[0] == 0:
+        zero = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+        return zero, zero + 1
+    q = torch.quantile(sample, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device=flat.device), dim=0)
+    iqr = q[2] - q[0]
+    return q[1], torch.where(iqr > 0, iqr, 1e-12 * (1 + q[1].abs()))
+
+
+def flag_chains(positions: Tensor) -> dict[str, Tensor]:
+    """Chains that ran away or froze, as boolean masks over chains (CPU).
+
+    runaway: a kept draw is not finite, or lies more than ``RUNAWAY_IQRS`` interquartile ranges
+    (of all draws, per coordinate) from the median; frozen: not a runaway, and every kept draw
+    equals the first (needs ``FROZEN_MIN_DRAWS`` kept draws); max_abs: each chain's largest |x|.
+    """
+    n, chains, _ = positions.shape
+    centre, iqr = _robust_centre(positions)
+    far = torch.zeros(chains, dtype=torch.float64, device=positions.device)
+    moved = torch.zeros(chains, dtype=torch.bool, device=positions.device)
+    max_abs = torch.zeros(chains, dtype=torch.float64, device=positions.device)
+    first = positions[0]
+    for block in positions.split(max(1, 2**22 // max(1, positions[0].numel()))):  # bounded temporaries
+        b = block.double()
+        dev = ((b - centre) / iqr).abs().nan_to_num(nan=math.inf)
+        far = torch.maximum(far, dev.amax(dim=(0, 2)))
+        max_abs = torch.maximum(max_abs, b.abs().nan_to_num(nan=math.inf).amax(dim=(0, 2)))
+        moved |= (block != first).any(-1).any(0)
+    runaway = far > RUNAWAY_IQRS
+    frozen = ~moved & ~runaway if n >= FROZEN_MIN_DRAWS else torch.zeros_like(moved)
+    return dict(runaway=runaway.cpu(), frozen=frozen.cpu(), stuck=(~moved & runaway).cpu(), max_abs=max_abs.cpu())
+
+
+def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[str, Any]:
+    """Why R-hat is high: ``separate modes`` or ``too short`` (or ``few chains``).
+
+    On the coordinate with the largest R-hat: the chains' means, sorted, show a gap of more than
+    4 typical within-chain standard deviations with at least 5% of the chains on each side when
+    the chains sit in separate modes (little spread within a chain, much between, means in
+    clusters); a run that is merely too short spreads the means out without such a gap.
+    """
+    d = int(torch.nan_to_num(rhat.double(), nan=-1.0).argmax())
+    x = positions[..., d].double()
+    if keep is not None:
+        x = x[:, keep.to(x.device)]
+    chains = x.shape[1]
+    if chains < MIXING_MIN_CHAINS:
+        return dict(verdict="few chains", coordinate=d, gap=None)
+    means, sds = x.mean(0), x.std(0)
+    within = float(sds.median())
+    m = means.sort().values
+    k = max(2, math.ceil(0.05 * chains))
+    gaps = m[k:chains - k + 1] - m[k - 1:chains - k]
+    gap = float(gaps.max()) / within if within > 0 else math.inf
+    return dict(verdict="separate modes" if gap > 4 else "too short", coordinate=d, gap=gap)
+
+
+def truth_check(truth: Truth, positions: Tensor) -> dict[str, Any]:
+    """Estimates ± MCSE of what ``truth`` knows: the mean of each coordinate (up to 10), the
+    variance of each and the covariance of neighbours, and a mixture's weights (the mean of the
+    component probabilities ``assign(x)``, whose expectation is exactly the weights). ``z`` is
+    (estimate - truth) / MCSE; the run agrees when every ``|z|`` stays under the level an exact
+    sampler exceeds 1% of the time (Bonferroni over the estimates)."""
+    x = positions[..., :10].double()
+    d = x.shape[-1]
+    rows = []
+    mean = x.mean((0, 1))
+    mcse = diagnostics.mcse_mean(x, layout="draws_chains")
+    for i in range(d):
+        rows.append((f"mean x{i}", float(mean[i]), float(mcse[i]), float(truth.mean[i])))
+    pairs = [(i, i) for i in range(d)] + [(i, i + 1) for i in range(d - 1)]
+    i_idx = torch.tensor([p[0] for p in pairs], device=x.device)
+    j_idx = torch.tensor([p[1] for p in pairs], device=x.device)
+    prod = (x[..., i_idx] - mean[i_idx]) * (x[..., j_idx] - mean[j_idx])
+    est, err = prod.mean((0, 1)), diagnostics.mcse_mean(prod, layout="draws_chains")
+    del prod
+    for n, (i, j) in enumerate(pairs):
+        rows.append((f"var x{i}" if i == j else f"cov x{i},x{j}", float(est[n]), float(err[n]),
+                     float(truth.cov[i, j])))
+    if truth.weights is not None and truth.assign is not None:
+        r = truth.assign(positions.to("cpu"))
+        w, werr = r.mean((0, 1)), diagnostics.mcse_mean(r, layout="draws_chains")
+        for k in range(r.shape[-1]):
+            centre = ", ".join(f"{v:g}" for v in truth.centres[k, :2].tolist())
+            rows.append((f"weight {k}", float(w[k]), float(werr[k]), float(truth.weights[k]), f"mode at ({centre}, ...)"
+                         if truth.centres.shape[1] > 2 else f"mode at ({centre})"))
+    out = []
+    for row in rows:
+        name, e, s, t = row[:4]
+        z = (e - t) / s if s > 0 and math.isfinite(s) else (0.0 if e == t else math.inf)
+        out.append(dict(name=name, estimate=e, mcse=s, truth=t, z=z, where=row[4] if len(row) > 4 else None))
+    crit = NormalDist().inv_cdf(1 - 0.005 / len(out))
+    worst = max(out, key=lambda r: abs(r["z"]) if math.isfinite(r["z"]) else math.inf)
+    return dict(about=truth.about, rows=out, z_max=abs(worst["z"]), worst=worst["name"], z_crit=crit,
+                agrees=all(math.isfinite(r["z"]) and abs(r["z"]) <= crit for r in out))
+
+
+def _summary(cfg: Config, target: Any, positions: Tensor, energies: Tensor, info: Any, compile_s: float | None,
+             sampling_s: float) -> dict:
     """Plain Python numbers (``None`` where not computed)."""
     acc = diagnostics.acceptance_summary(info, layout="draws_chains")
     rate = acc.get("mean_acceptance_rate")
@@ -202,17 +527,46 @@ def _summary(cfg: Config, positions: Tensor, info: Any, compile_s: float | None,
         divergent_fraction=float(acc.get("divergent_fraction", 0.0)),
         mean_tree_depth=_float_or_none(acc.get("mean_tree_depth")),
         mean_integration_steps=_float_or_none(acc.get("mean_num_integration_steps")),
-        ess_bulk_min=None, ess_bulk_median=None, ess_per_s=None, rhat_max=None,
-        compile_s=compile_s, sampling_s=sampling_s,
+        ess_bulk_min=None, ess_bulk_median=None, ess_per_s=None, rhat_max=None, rhat_max_unflagged=None,
+        compile_s=compile_s, sampling_s=sampling_s, mixing=None, truth=None,
     )
+    flags = flag_chains(positions)
+    for name in ("runaway", "frozen"):
+        idx = flags[name].nonzero().flatten()
+        out[f"n_{name}"] = int(idx.numel())
+        out[f"{name}_chains"] = idx[:100].tolist()
+    out["n_runaway_stuck"] = int(flags["stuck"].sum())
+    bad = flags["runaway"] | flags["frozen"]
+    out["runaway_max_abs"] = float(flags["max_abs"][flags["runaway"]].max()) if out["n_runaway"] else None
     if positions.shape[0] >= 4:  # the diagnostics need 4 draws
         ess = diagnostics.ess_bulk(positions, layout="draws_chains").double().cpu()
         out["ess_bulk_min"] = float(ess.min())
         out["ess_bulk_median"] = float(ess.quantile(0.5))
         out["ess_per_s"] = out["ess_bulk_min"] / sampling_s if sampling_s > 0 else math.inf
-        out["rhat_max"] = float(diagnostics.rhat(positions, layout="draws_chains").max())
+        rhat = diagnostics.rhat(positions, layout="draws_chains")
+        out["rhat_max"] = float(rhat.max())
+        keep = ~bad
+        if bad.any() and int(keep.sum()) >= 2:
+            out["rhat_max_unflagged"] = float(diagnostics.rhat(positions[:, keep.to(positions.device)],
+                                                               layout="draws_chains").max())
+        if out["rhat_max"] > RHAT_OK and cfg.chains >= 2:
+            verdict = mixing(positions, rhat, keep if bad.any() else None)
+            tau = positions.shape[0] * cfg.chains / out["ess_bulk_min"] * cfg.thin
+            verdict["steps_needed"] = int(float(f"{max(200 * tau, 2 * cfg.steps):.2g}"))
+            out["mixing"] = verdict
+        truth = truth_of(cfg.energy, target, cfg.dim)
+        if truth is not None:
+            out["truth"] = truth_check(truth, positions)
     return out
 
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def _chain_list(idx: list[int], n: int) -> str:
+    shown = ", ".join(str(i) for i in idx[:5])
+    return f"{shown}, ..." if n > 5 else shown
 
 
 def format_summary(s: dict[str, Any]) -> list[str]:
@@ -221,6 +575,11 @@ def format_summary(s: dict[str, Any]) -> list[str]:
         acceptance = f"{s['acceptance']:.3f} (mean {s['sampler'].upper()} acceptance statistic)"
     else:
         acceptance = f"{1 - s['divergent_fraction']:.3f} (unadjusted: 1 - divergent fraction)"
+    smaller = f"try a smaller --step-size (e.g. {s['step_size'] / 4:.3g})"
+    if s.get("compiled") is None and s["compile_s"] is None:
+        path = s.get("path") or "eager"
+    else:
+        path = f"{'compiled' if s.get('compiled') else 'eager'} ({s.get('path')})"
     rows = [
         ("sampler", f"{s['sampler']}, step size {s['step_size']:g}" + (" (before adaptation)" if s.get("adapted") else "")),
         ("energy", f"{s['energy']}, dim {s['dim']}, {s['dtype']} on {s['device']}"),
@@ -236,49 +595,136 @@ def format_summary(s: dict[str, Any]) -> list[str]:
           [("trajectory", f"{s['mean_integration_steps']:.0f} leapfrog steps per draw")]
           if s.get("mean_integration_steps") is not None else []),
         ("divergences", f"{s['n_divergent']} ({100 * s['divergent_fraction']:.2f}% of kept steps)"),
+    ]
+    if s.get("n_runaway"):
+        stuck = f", {s['n_runaway_stuck']} of them stuck there" if s.get("n_runaway_stuck") else ""
+        rows.append(("runaway", f"{s['n_runaway']} of {s['chains']} chains (chain {_chain_list(s['runaway_chains'], s['n_runaway'])}) "
+                                f"left the bulk: |x| up to {s['runaway_max_abs']:.3g}{stuck}; {smaller}"))
+    if s.get("n_frozen"):
+        rows.append(("frozen", f"{s['n_frozen']} of {s['chains']} chains (chain {_chain_list(s['frozen_chains'], s['n_frozen'])}) "
+                               f"did not move over the {s['draws']} kept draws (every proposal rejected); {smaller}"))
+    rhat = _fmt(s["rhat_max"], ".4f") + (" (needs >= 2 chains)" if s["chains"] == 1 else "")
+    if s.get("rhat_max_unflagged") is not None:
+        rhat += f" ({s['rhat_max_unflagged']:.4f} without the runaway and frozen chains)"
+    rows += [
         ("ESS bulk", "n/a (needs >= 4 kept draws)" if s["ess_bulk_min"] is None
          else f"min {s['ess_bulk_min']:.0f}, median {s['ess_bulk_median']:.0f} (over dims)"),
         ("ESS/s", _fmt(s["ess_per_s"], ".1f") + ("" if s["ess_per_s"] is None else " (min bulk ESS per sampling s)")),
-        ("R-hat max", _fmt(s["rhat_max"], ".4f") + (" (needs >= 2 chains)" if s["chains"] == 1 else "")),
-        ("compile", "skipped (--no-compile)" if s["compile_s"] is None else f"{s['compile_s']:.2f} s"),
-        ("sampling", f"{s['sampling_s']:.2f} s"),
+        ("R-hat max", rhat),
+        ("path", path),
+        ("compile", "none" if s["compile_s"] is None else f"{s['compile_s']:.2f} s (torch.compile; cached on disk "
+                                                          "for the next run)"),
+        ("sampling", f"{s['sampling_s']:.2f} s" + (f" (+{s['setup_s']:.2f} s setting up: checks, the first eager "
+                                                     "step, tracing)" if s.get("setup_s") else "")),
     ]
     lines = [f"{k:<12} {v}" for k, v in rows]
-    if s["rhat_max"] is not None and s["rhat_max"] > 1.01:
-        lines.append(f"{'note':<12} R-hat > 1.01: the chains disagree (not converged, or each stuck in its own mode)")
+    truth = s.get("truth")
+    if truth is not None:
+        lines.append(f"{'truth':<12} {truth['about']}: estimate ± MCSE from the kept draws")
+        shown = truth["rows"]
+        if len(shown) > 7:  # the largest deviations
+            shown = sorted(shown, key=lambda r: -abs(r["z"]) if math.isfinite(r["z"]) else -math.inf)[:5]
+        for r in shown:
+            where = f"  {r['where']}" if r.get("where") else ""
+            lines.append(f"  {r['name']:<10} {r['estimate']:+.4f} ± {r['mcse']:.4f}   truth {r['truth']:+.4f}"
+                         f"   z {r['z']:+.2f}{where}")
+        if len(shown) < len(truth["rows"]):
+            lines.append(f"  ({len(shown)} of {len(truth['rows'])} estimates shown: the largest |z|)")
+        level = f"an exact sampler exceeds {truth['z_crit']:.2f} 1% of the time"
+        if s["rhat_max"] is not None and s["rhat_max"] > RHAT_OK:
+            lines.append(f"{'check':<12} no verdict: R-hat > {RHAT_OK}, and an MCSE assumes chains that have "
+                         f"converged (largest |z| {truth['z_max']:.3g})")
+        elif truth["agrees"]:
+            lines.append(f"{'check':<12} agrees with the truth: largest |z| {truth['z_max']:.2f} of "
+                         f"{len(truth['rows'])} estimates ({level})")
+        else:
+            why = []
+            if s["sampler"] == "langevin":
+                why.append("unadjusted Langevin is biased by O(step size): use --sampler mala or a smaller --step-size")
+            if s["rhat_max"] is not None and s["rhat_max"] > RHAT_OK:
+                why.append("the chains have not converged (see the note)")
+            if s.get("n_runaway") or s.get("n_frozen"):
+                why.append("some chains ran away or froze")
+            lines.append(f"{'check':<12} DISAGREES with the truth: |z| {truth['z_max']:.3g} for {truth['worst']} "
+                         f"({level})" + (f"; {'; '.join(why)}" if why else ""))
+    note = _note(s)
+    if note:
+        lines.append(f"{'note':<12} {note}")
     return lines
 
 
+def _note(s: dict[str, Any]) -> str | None:
+    if s["rhat_max"] is None or not s["rhat_max"] > RHAT_OK:
+        return None
+    m = s.get("mixing") or {}
+    spec = ENERGIES.get(s["energy"])
+    head = f"R-hat {s['rhat_max']:.3g} > {RHAT_OK}: the chains disagree."
+    if m.get("verdict") == "separate modes":
+        known = f" ({s['energy']} is multimodal, see docs/cli.md)" if spec is not None and spec.multimodal else ""
+        return (f"{head} They sit in separate modes{known}: the chain means of x{m['coordinate']} fall into "
+                f"groups {m['gap']:.0f} within-chain standard deviations apart, and no chain crosses between "
+                "them. More steps will not fix this soon: the pooled draws weigh each mode by how many chains "
+                "started near it, not by its mass.")
+    known = f" {s['energy']}: {spec.mixing} (docs/cli.md)." if spec is not None and spec.mixing else ""
+    if m.get("verdict") == "too short":
+        return (f"{head} No separate modes show (the chain means of x{m['coordinate']} spread without a gap): "
+                f"the run is too short. Try --steps {m['steps_needed']} (about 200 autocorrelation times, "
+                "from the bulk ESS)." + known)
+    return (f"{head} Too short, or chains in separate modes: with fewer than {MIXING_MIN_CHAINS} chains the "
+            "two cannot be told apart." + known)
+
+
+
+# --------------------------------------------------------------------------------- plot
+
 
 def plot(f: BinaryIO, target: Any, positions: Tensor, energies: Tensor, summary: dict[str, Any]) -> None:
-    """A PNG into ``f``: for dim 2, energy contours with final draws over them; otherwise
-    histograms of the first (up to 4) marginals. Beside it, the mean energy per kept draw."""
+    """A PNG into ``f``: for dim 2, energy contours with final draws over them (and the truth
+    where it is known); otherwise histograms of the first (up to 4) marginals. Then a few chains'
+    traces of the coordinate with the largest R-hat, and the energy trace (median and 10-90%
+    band over chains). Limits come from quantiles of the draws, so a few runaway chains do not
+    squash the picture."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without touching pyplot's backend
     from matplotlib.figure import Figure
 
-    pos = positions.detach().to("cpu", torch.float64)
-    dim = pos.shape[-1]
-    steps = summary["burn_in"] + summary["thin"] * np.arange(1, pos.shape[0] + 1)
-    mean_energy = energies.detach().to("cpu", torch.float64).mean(1).numpy()
+    n_draws, chains, dim = positions.shape
+    steps = summary["burn_in"] + summary["thin"] * np.arange(1, n_draws + 1)
+    flagged = set(summary.get("runaway_chains") or []) | set(summary.get("frozen_chains") or [])
+    good = [c for c in range(chains) if c not in flagged]
+    truth = truth_of(summary["energy"], target, dim) if summary["energy"] in ENERGIES else None
+    # a subsample of draws (at most ~200k points) for quantiles and histograms
+    sub = positions[:: max(1, n_draws * chains // 200_000)].detach().to("cpu", torch.float64)
+    sub_good = sub[:, good] if good else sub
+    flat = sub_good.reshape(-1, dim)
+    flat = flat[torch.isfinite(flat).all(-1)]
+
+    def limits(values: Tensor) -> tuple[float, float]:
+        if values.numel() == 0:
+            return -1.0, 1.0
+        lo, hi = (float(v) for v in torch.quantile(values, torch.tensor([0.005, 0.995], dtype=torch.float64)))
+        pad = 0.15 * (hi - lo) + 0.25
+        return lo - pad, hi + pad
+
     n_left = 1 if dim == 2 else min(dim, 4)
-    fig = Figure(figsize=(5.2 * (n_left + 1) if dim == 2 else 3.4 * n_left + 4.5, 4.6), layout="constrained")
+    fig = Figure(figsize=(5.6 + 4.4 * 2 if dim == 2 else 3.4 * n_left + 8.8, 4.6), layout="constrained")
     FigureCanvasAgg(fig)
-    ratios = [1.25, 1] if dim == 2 else [1] * n_left + [1.4]
-    axes = fig.subplots(1, n_left + 1, width_ratios=ratios)
+    ratios = ([1.3] if dim == 2 else [1] * n_left) + [1.1, 1.1]
+    axes = fig.subplots(1, n_left + 2, width_ratios=ratios)
+    r = summary.get("rhat_max")
     fig.suptitle(
         f"{summary['energy']} (dim {dim}), {summary['sampler']} step {summary['step_size']:g}: "
-        f"{summary['chains']} chains, {summary['steps']} steps (burn-in {summary['burn_in']})"
+        f"{chains} chains, {summary['steps']} steps (burn-in {summary['burn_in']})"
+        + (f", R-hat {r:.3f}" if r is not None else "")
     )
 
     if dim == 2:
         ax = axes[0]
-        final = pos[-1][:2000]  # chains are exchangeable: the first 2000 are a fair subsample
-        # the grid covers 99% of the final draws: a few stray chains do not shrink the picture
-        lo, hi = final.quantile(0.005, dim=0), final.quantile(0.995, dim=0)
-        pad = 0.25 * (hi - lo) + 0.25
-        xs = torch.linspace(float(lo[0] - pad[0]), float(hi[0] + pad[0]), 200, dtype=torch.float64)
-        ys = torch.linspace(float(lo[1] - pad[1]), float(hi[1] + pad[1]), 200, dtype=torch.float64)
+        final = positions[-1].detach().to("cpu", torch.float64)
+        final = final[good[:2000]] if good else final[:2000]  # chains are exchangeable: a fair subsample
+        (x0, x1), (y0, y1) = limits(flat[:, 0]), limits(flat[:, 1])
+        xs = torch.linspace(x0, x1, 200, dtype=torch.float64)
+        ys = torch.linspace(y0, y1, 200, dtype=torch.float64)
         gx, gy = torch.meshgrid(xs, ys, indexing="xy")
         grid = torch.stack([gx.reshape(-1), gy.reshape(-1)], -1)
         cpu_target = target.to(device="cpu")
@@ -293,21 +739,100 @@ def plot(f: BinaryIO, target: Any, positions: Tensor, energies: Tensor, summary:
         fig.colorbar(cs, ax=ax, label="energy E(x)", format="%.3g")
         ax.scatter(final[:, 0].numpy(), final[:, 1].numpy(), s=4, c="#ff5a36", alpha=0.6, linewidths=0,
                    label=f"final draws ({final.shape[0]} chains)")
+        if truth is not None:
+            _truth_overlay(ax, truth, flat, summary)
         ax.set(xlabel="x0", ylabel="x1", title="energy contours and final draws",
-               xlim=(float(xs[0]), float(xs[-1])), ylim=(float(ys[0]), float(ys[-1])))
+               xlim=(x0, x1), ylim=(y0, y1))
         ax.legend(loc="upper right", fontsize="small", markerscale=3)
     else:
-        flat = pos.reshape(-1, dim)
         for i in range(n_left):
             ax = axes[i]
-            ax.hist(flat[:, i].numpy(), bins=60, density=True, color="#3b75af")
-            ax.set(xlabel=f"x{i}", ylabel="density" if i == 0 else None, title=f"marginal of x{i}")
+            lo, hi = limits(flat[:, i])
+            ax.hist(flat[:, i].numpy(), bins=60, range=(lo, hi), density=True, color="#3b75af", label="draws")
+            if truth is not None:
+                grid = np.linspace(lo, hi, 300)
+                ax.plot(grid, _truth_marginal(truth, i, grid), color="k", lw=1.2, ls="--", label="truth")
+                ax.legend(fontsize="small")
+            ax.set(xlabel=f"x{i}", ylabel="density" if i == 0 else None, title=f"marginal of x{i}", xlim=(lo, hi))
+
+    # a few chains' traces of the coordinate with the largest R-hat, flagged chains in red
+    ax = axes[-2]
+    mix = summary.get("mixing") or {}
+    d = mix.get("coordinate", 0) if mix else 0
+    picks = good[:3] + sorted(flagged)[:2]
+    lo, hi = limits(flat[:, d])
+    stride = max(1, n_draws // 2000)
+    for c in picks:
+        y = positions[::stride, c, d].detach().to("cpu", torch.float64).numpy()
+        bad = c in flagged
+        ax.plot(steps[::stride], np.clip(y, lo, hi), lw=0.8 if not bad else 1.4,
+                color="#d62728" if bad else None, alpha=0.9,
+                label=(f"chain {c} ({'ran away' if c in (summary.get('runaway_chains') or []) else 'frozen'}, clipped)"
+                       if bad else None))
+    ax.set(xlabel="step", ylabel=f"x{d}", ylim=(lo, hi), title=f"x{d} of {len(picks)} chains")
+    if flagged:
+        ax.legend(fontsize="small", loc="upper right")
+    ax.grid(alpha=0.3)
 
     ax = axes[-1]
-    ax.plot(steps, mean_energy, color="#3b75af", lw=1.2)
-    ax.set(xlabel="step", ylabel="mean energy over chains", title="energy trace (kept draws)")
+    en = energies[:: stride].detach().to("cpu", torch.float64)
+    en = en[:, good] if good else en
+    en = torch.where(torch.isfinite(en), en, torch.nan)
+    q = torch.nanquantile(en, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), dim=1).numpy()
+    ax.fill_between(steps[::stride], q[0], q[2], color="#3b75af", alpha=0.25, lw=0, label="10-90% of chains")
+    ax.plot(steps[::stride], q[1], color="#3b75af", lw=1.2, label="median")
+    left_out = f", {len(flagged)} flagged chains left out" if flagged and good else ""
+    ax.set(xlabel="step", ylabel="energy E(x)", title=f"energy over chains (kept draws{left_out})")
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.savefig(f, format="png", dpi=110)
+
+
+def _ellipse(mean: Tensor, cov: Tensor, radius: float):
+    t = torch.linspace(0, 2 * math.pi, 200, dtype=torch.float64)
+    vals, vecs = torch.linalg.eigh(cov)
+    circle = torch.stack([t.cos(), t.sin()], -1) * vals.clamp_min(0).sqrt() * radius
+    pts = mean + circle @ vecs.T
+    return pts[:, 0].numpy(), pts[:, 1].numpy()
+
+
+def _truth_overlay(ax: Any, truth: Truth, flat: Tensor, summary: dict[str, Any]) -> None:
+    """Dim 2: the truth's 1- and 2-sigma ellipses against the draws', or a mixture's modes and weights."""
+    if truth.weights is not None:
+        est = {r["name"]: r["estimate"] for r in (summary.get("truth") or {}).get("rows", [])}
+        for k, (c, w) in enumerate(zip(truth.centres.tolist(), truth.weights.tolist())):
+            ax.plot(c[0], c[1], marker="x", color="white", ms=9, mew=2, label="true modes" if k == 0 else None)
+            got = est.get(f"weight {k}")
+            ax.annotate(f"w={w:.2f}" + (f"\nest {got:.2f}" if got is not None else ""), (c[0], c[1]),
+                        xytext=(6, 6), textcoords="offset points", color="white", fontsize="small")
+        return
+    mean = flat.mean(0)
+    cov = torch.cov(flat.T)
+    for radius in (1.0, 2.0):
+        ax.plot(*_ellipse(mean, cov, radius), color="#ffd166", lw=2.4,
+                label="estimate (1, 2 sd)" if radius == 1 else None)
+        ax.plot(*_ellipse(truth.mean[:2], truth.cov[:2, :2], radius), color="black", lw=1.3, ls="--",
+                label="truth (1, 2 sd)" if radius == 1 else None)
+
+
+def _truth_marginal(truth: Truth, i: int, grid: Any) -> Any:
+    import numpy as np
+
+    if truth.weights is not None:  # a mixture of Gaussians: its marginal is a mixture too
+        dens = np.zeros_like(grid)
+        spread = _component_sd(truth, i)
+        for c, w in zip(truth.centres[:, i].tolist(), truth.weights.tolist()):
+            dens += w * np.exp(-0.5 * ((grid - c) / spread) ** 2) / (spread * math.sqrt(2 * math.pi))
+        return dens
+    sd = math.sqrt(float(truth.cov[i, i]))
+    return np.exp(-0.5 * ((grid - float(truth.mean[i])) / sd) ** 2) / (sd * math.sqrt(2 * math.pi))
+
+
+def _component_sd(truth: Truth, i: int) -> float:
+    # the within-component variance: total variance less the spread of the component means
+    w, c = truth.weights, truth.centres[:, i]
+    between = float((w * c * c).sum() - (w * c).sum() ** 2)
+    return math.sqrt(max(float(truth.cov[i, i]) - between, 1e-12))
 
 
 # ------------------------------------------------------------------------------ main
@@ -338,4 +863,3 @@ def _sample(args: argparse.Namespace) -> int:
     if cfg.plot is not None:
         print(f"{'plot':<12} {args.plot}")
     return 0
-
