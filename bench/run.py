@@ -1,6 +1,6 @@
 """fnebm side by side with its peers, in one process run.
 
-    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W5,W6,RNG] [--fresh-cache]
+    python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W4,W5,W6,RNG] [--fresh-cache]
 
 Workloads (fixed, so that runs compare over time):
   W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
@@ -9,6 +9,16 @@ Workloads (fixed, so that runs compare over time):
   W1out  W1 for fnebm alone, the trace allocated per call (as in W1) against the trace
          buffers of an earlier call passed back as sample_chain(out=...)
   W3     MALA, same target and sizes; peer: BlackJAX mala (jit + vmap + lax.scan)
+  W4     CD-10 training: 10 training steps of an MLP energy 2-128-128-1 (SiLU; fnebm train's model:
+         no output bias, + 0.01 |x|^2 / 2), batch 1,024 of eight Gaussians (the same batches for
+         both), negatives from 10 unadjusted Langevin steps started at the data (step 0.01, noise
+         scale 0.1: x - h grad E + 0.1 sqrt(2h) xi), no energy regulariser, Adam lr 1e-3; both start
+         from the same weights and every call trains from them again. fnebm:
+         losses.contrastive_divergence under torch.func.grad_and_value plus Adam as tree_maps,
+         one torch.compile(fullgraph=True) step called 10 times; peer: TorchEBM
+         ContrastiveDivergence + LangevinDynamics + torch.optim.Adam, eager (loss.backward(),
+         opt.step()). --quick: batch 256, k = 3, 5 steps. The model both reach after 2,000
+         steps: bench/w4_quality.py (slow; not part of this run).
   W5     MALA, 10-D Gaussian with diagonal precision (1, 2, ..., 10), mean 0: a sweep over 16
          step sizes (10**-3 .. 10**-0.5, log-spaced) x 1,024 chains x 200 steps in one call,
          per-chain step sizes. fnebm: one fnebm.mala(target, step_sizes) over 16,384 chains
@@ -446,6 +456,168 @@ def _min_ess_bulk(trace) -> float:
     return float(fnebm.diagnostics.ess_bulk(trace.float(), layout="draws_chains").min())
 
 
+# ----------------------------------------------------------------------------- W4: CD training
+#
+# The model is `fnebm train`'s (fnebm.cli.train.mlp_energy): an MLP 2-128-128-1 with SiLU, no
+# output bias, plus 0.01 |x|^2 / 2; both sides start from the same weights (mlp_init(key(0))),
+# train on the same batches and take the same number of sampler and optimiser steps.
+
+W4_HIDDEN, W4_ETA, W4_NOISE, W4_LR = 128, 0.01, 0.1, 1e-3
+W4_ADAM = (0.9, 0.999, 1e-8)  # torch.optim.Adam's defaults
+
+
+def w4_params() -> dict[str, torch.Tensor]:
+    """The initial weights, as fnebm train draws them (PyTorch's nn.Linear init, from key(0))."""
+    from fnebm.cli.train import mlp_init
+
+    return mlp_init(fr.key(0), W4_HIDDEN, torch.float32)
+
+
+def w4_batches(batch: int, steps: int, seed: int = 1) -> torch.Tensor:
+    """``steps`` batches of eight Gaussians, ``(steps, batch, 2)``; batch t from ``fold_in(key(seed), t)``."""
+    from fnebm import datasets
+
+    return torch.stack([datasets.eight_gaussians(fr.fold_in(fr.key(seed), t), batch) for t in range(steps)])
+
+
+def w4_adam_init(params):
+    """Adam's state ``(m, v, b1**t, b2**t)``; the powers are (1,) tensors (a 0-dim CPU float input
+    is read as a Python scalar by Dynamo, which then restarts its analysis: docs/training.md)."""
+    from torch.utils import _pytree as pytree
+
+    zeros = lambda: pytree.tree_map(torch.zeros_like, params)  # noqa: E731
+    return zeros(), zeros(), torch.ones(1), torch.ones(1)
+
+
+def w4_adam(params, grads, state, lr=W4_LR):
+    """One Adam step as ``tree_map``s, torch.optim.Adam's arithmetic (bias-corrected moments, eps outside the root)."""
+    from torch.utils import _pytree as pytree
+
+    b1, b2, eps = W4_ADAM
+    m, v, p1, p2 = state
+    m = pytree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, m, grads)
+    v = pytree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, v, grads)
+    p1, p2 = p1 * b1, p2 * b2
+    params = pytree.tree_map(lambda p, m, v: p - lr * (m / (1 - p1)) / ((v / (1 - p2)).sqrt() + eps),
+                             params, m, v)
+    return params, (m, v, p1, p2)
+
+
+_W4_STEPS: dict[int, Callable] = {}
+
+
+def w4_fnebm_step(k: int) -> Callable:
+    """fnebm's CD-k training step ``(energy, opt_state, batch, key) -> (energy, opt_state, loss)``:
+    ``torch.func.grad_and_value`` of ``losses.contrastive_divergence`` (chains from the data,
+    ``k`` Langevin steps, step 0.01, noise scale 0.1) and Adam, compiled once per process as one
+    ``fullgraph`` graph (the sampler's steps unrolled: docs/training.md)."""
+    if k not in _W4_STEPS:
+        from fnebm import losses
+
+        def sampler(energy):
+            return fnebm.langevin(energy, W4_ETA, W4_NOISE)
+
+        def cd(energy, batch, key):
+            return losses.contrastive_divergence(energy, batch, key, sampler=sampler, n_steps=k, init="data")
+
+        def train_step(energy, opt_state, batch, key):
+            grads, (loss, _) = torch.func.grad_and_value(cd, has_aux=True)(energy, batch, key)
+            energy, opt_state = w4_adam(energy, grads, opt_state)
+            return energy, opt_state, loss
+
+        _W4_STEPS[k] = torch.compile(train_step, fullgraph=True)
+    return _W4_STEPS[k]
+
+
+def fnebm_cd(batch, k, steps):
+    from fnebm.cli.train import mlp_energy
+
+    energy0 = energies.bind(mlp_energy, w4_params())
+    batches = w4_batches(batch, steps)
+    keys = torch.stack([fr.fold_in(fr.key(2), t) for t in range(steps)])
+    step = w4_fnebm_step(k)
+
+    def run():  # `steps` training steps from the initial weights (a pure function: every call the same)
+        energy, opt_state, values = energy0, w4_adam_init(energy0), []
+        for t in range(steps):
+            energy, opt_state, loss = step(energy, opt_state, batches[t], keys[t])
+            values.append(loss)
+        return torch.stack(values)
+
+    return run
+
+
+def w4_torchebm_model(params: dict[str, torch.Tensor]):
+    """fnebm train's energy as a TorchEBM ``BaseModel`` (``nn.Linear`` layers) holding a copy of ``params``."""
+    try:
+        from torchebm.core import BaseModel
+    except ImportError as e:
+        raise Missing(f"torchebm ({e.name})") from None
+    from fnebm.cli.train import TETHER
+
+    class MLPEnergy(BaseModel):
+        def __init__(self):
+            super().__init__()
+            h = params["w1"].shape[0]
+            self.l0, self.l1 = torch.nn.Linear(2, h), torch.nn.Linear(h, h)
+            self.l2 = torch.nn.Linear(h, 1, bias=False)
+            with torch.no_grad():
+                for layer, w, b in ((self.l0, "w0", "b0"), (self.l1, "w1", "b1"), (self.l2, "w2", None)):
+                    layer.weight.copy_(params[w].T)
+                    if b is not None:
+                        layer.bias.copy_(params[b])
+
+        def forward(self, x):  # (n, 2) -> (n,)
+            h = torch.nn.functional.silu(self.l0(x))
+            h = torch.nn.functional.silu(self.l1(h))
+            return self.l2(h).squeeze(-1) + (0.5 * TETHER) * (x * x).sum(-1)
+
+    return MLPEnergy()
+
+
+def w4_torchebm_params(model) -> dict[str, torch.Tensor]:
+    """The weights of a :func:`w4_torchebm_model` as fnebm train's parameter dict (to evaluate it the same way)."""
+    return {"w0": model.l0.weight.detach().T.contiguous(), "b0": model.l0.bias.detach().clone(),
+            "w1": model.l1.weight.detach().T.contiguous(), "b1": model.l1.bias.detach().clone(),
+            "w2": model.l2.weight.detach().T.contiguous()}
+
+
+def w4_torchebm_trainer(model, k):
+    """TorchEBM's CD-k: ``ContrastiveDivergence`` (chains from the data, as fnebm's ``init="data"``;
+    its energy regulariser, 0.001 by default, set to 0 like fnebm's ``alpha``) with
+    ``LangevinDynamics(step_size=0.01, noise_scale=0.1)`` (its Euler-Maruyama update
+    ``x - h grad E + noise_scale sqrt(2 h) xi`` is fnebm.langevin's), and ``torch.optim.Adam``."""
+    from torchebm.losses import ContrastiveDivergence
+    from torchebm.samplers import LangevinDynamics
+
+    sampler = LangevinDynamics(model, step_size=W4_ETA, noise_scale=W4_NOISE)
+    loss_fn = ContrastiveDivergence(model, sampler, k_steps=k, energy_reg_weight=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=W4_LR, betas=W4_ADAM[:2], eps=W4_ADAM[2])
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss, _ = loss_fn(batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def torchebm_cd(batch, k, steps):
+    model = w4_torchebm_model(w4_params())
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    batches = w4_batches(batch, steps)
+    torch.manual_seed(0)  # TorchEBM draws its noise from the global generator
+
+    def run():  # `steps` training steps from the initial weights and a fresh Adam, like fnebm's call
+        model.load_state_dict(initial)
+        step = w4_torchebm_trainer(model, k)
+        return torch.stack([step(batches[t]) for t in range(steps)])
+
+    return run
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
@@ -496,6 +668,13 @@ WORKLOADS = {
         peers=[("BlackJAX", blackjax_mala_sweep), ("fnebm (2 chain axes)", fnebm_mala_sweep_2axes)],
         full=dict(sizes=16, chains=1_024, steps=200),
         quick=dict(sizes=16, chains=64, steps=20),
+    ),
+    "W4": dict(
+        title="{steps} CD-{k} training steps, MLP 2-128-128-1 (SiLU), batch {batch}, Langevin 0.01 / noise 0.1, Adam",
+        ours=("fnebm", fnebm_cd),
+        peers=[("TorchEBM 0.8", torchebm_cd)],
+        full=dict(batch=1_024, k=10, steps=10),
+        quick=dict(batch=256, k=3, steps=5),
     ),
     "W6": dict(
         title="NUTS + window adaptation, 50-D AR(1) Gaussian (rho 0.9), {chains} chains, {warmup} warm-up + {draws} draws",
@@ -610,6 +789,21 @@ def _load() -> list[float] | None:
         return None
 
 
+def _vec_isa() -> str:
+    """The vector ISA Inductor compiles CPU code for ("avx2", "avx512", ...; "" if none: scalar code).
+
+    Inductor decides it by compiling a probe and loading it in a child Python; if that child
+    fails (e.g. a file in the script's directory shadows a module the child imports: the child
+    gets the parent's sys.path), every kernel silently comes out scalar, several times slower.
+    """
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return str(pick_vec_isa())
+    except Exception as e:  # an Inductor without this module: say so rather than fail the run
+        return f"unknown ({type(e).__name__})"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="fnebm vs TorchEBM, PyTorch and JAX/BlackJAX, side by side")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -638,6 +832,7 @@ def main(argv=None):
         device="cpu",
         inductor_cache="fresh" if args.fresh_cache else "machine",
         load_before=_load(),
+        inductor_vec_isa=_vec_isa(),
     )
     for mod in ("jax", "blackjax", "torchebm"):
         try:
@@ -645,7 +840,11 @@ def main(argv=None):
         except (ImportError, AttributeError):
             machine[mod] = None
     print(f"torch {machine['torch']}, {machine['threads']} threads, {machine['cores']} cores, "
-          f"load {machine['load_before']}; {args.repeats} warm rounds, interleaved")
+          f"Inductor ISA {machine['inductor_vec_isa'] or 'none'}, load {machine['load_before']}; "
+          f"{args.repeats} warm rounds, interleaved")
+    if machine["inductor_vec_isa"] in ("", "INVALID_VEC_ISA"):
+        print("warning: Inductor found no usable vector ISA: fnebm's compiled CPU code will be scalar "
+              "and the figures will not represent it")
     if machine["load_before"] and machine["load_before"][0] > 0.5:
         print("warning: the machine is busy (1-minute load average > 0.5): compiled torch code on "
               "every core suffers most from a competing process; the figures will be noisy")
