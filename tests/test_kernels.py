@@ -315,12 +315,13 @@ def test_sample_chain_triton_equals_eager(kernels_on_cpu, sampler, name):
         accepted = first["eager"][2].is_accepted
         assert accepted.any() and not accepted.all()
 
-    done = []
+    done, plans = [], []
     out = tuple(torch.zeros_like(t) for t in (first["triton"][1],)) + (type(first["triton"][2])(
         *(torch.zeros_like(t) for t in first["triton"][2])),)
     more = fnebm.sample_chain(alg.step, first["triton"][0], None, 4, thin=2, backend="triton", chunk_size=2, out=out,
-                              on_chunk=lambda i, n, s: done.append((i, n)), progress=False)
+                              on_chunk=lambda i, n, s: done.append((i, n)), on_plan=plans.append, progress=False)
     assert done == [(2, 4), (4, 4)]
+    assert [(p.kernel, p.compiled, p.steps) for p in plans] == [(True, False, 4)]  # the plan says a kernel ran
     assert more[1] is out[0] and more[2][0] is out[1][0]  # written in place
     _assert_runs_close(more, fnebm.sample_chain(alg.step, first["eager"][0], None, 4, thin=2, backend="eager",
                                                 progress=False))

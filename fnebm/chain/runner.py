@@ -99,7 +99,8 @@ class RunPlan(NamedTuple):
     compile may still be served by Inductor's on-disk cache); reason: one line saying why;
     eager_step_s: seconds per eager step measured so far for this kind and shapes (``None``
     before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
-    the steps of this call.
+    the steps of this call; kernel: a hand-written Triton kernel runs the whole chain (see
+    ``backend=``), neither the compiled runner nor the eager loop.
     """
 
     compiled: bool
@@ -108,6 +109,7 @@ class RunPlan(NamedTuple):
     eager_step_s: float | None
     compile_estimate_s: float
     steps: int
+    kernel: bool = False  # a hand-written whole-chain kernel runs (sample_chain's backend=)
 
 
 class _Ledger:

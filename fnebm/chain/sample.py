@@ -296,6 +296,9 @@ def sample_chain(
     _check_finite(chain.state)
     kernel = kernel_runner(step, chain, n_steps, burn_in=burn_in, thin=thin, collect=collect, backend=backend)
     if kernel is not None:
+        if on_plan is not None:
+            on_plan(RunPlan(False, False, f"backend={backend!r}: the whole-chain Triton kernel", None, 0.0,
+                            burn_in + n_steps, kernel=True))
         return kernel(out=out, chunk_size=chunk_size, progress=progress, on_chunk=on_chunk)
 
     cache = default_cache if cache is None else cache

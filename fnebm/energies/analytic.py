@@ -92,7 +92,9 @@ class Gaussian(Energy):
         # P (x - mean) = L (L^T (x - mean)): two matvecs with L, no d x d product formed
         delta = x - self.mean
         tril = self.precision_tril
-        return delta * (tril * tril) if self.is_diagonal else (delta @ tril) @ tril.mT
+        # (delta @ L) @ L^T written with transpose(): the .mT property of a parameter inside a
+        # compiled scan is lifted as a second input aliasing the first, which scan refuses
+        return delta * (tril * tril) if self.is_diagonal else (delta @ tril) @ tril.transpose(-2, -1)
 
 
 def gaussian(mean: Any, cov: Any = None, precision: Any = None, *, dtype=None, device=None) -> Gaussian:
