@@ -238,14 +238,15 @@ def compile_notice(cfg: Config) -> str:
     times = compile_times()
     kind = torch.device(cfg.device).type
     mine = times.get(_graph_name(cfg))
-    others = [v["first"] for k, v in times.items() if k.endswith(f" {kind}")]
+    others = sorted(v["first"] for k, v in times.items() if k.endswith(f" {kind}"))
     where = compile_cache_dir() or "Inductor's cache directory"
     if mine is not None:
         return (f"{what}: about {mine['last']:.0f} s (it took {mine['last']:.0f} s here last time; "
                 f"the code is served from the on-disk cache in {where})")
     if others:
-        return (f"{what}: about {max(others):.0f} s the first time on this machine (measured here for another "
-                f"configuration); then cached on disk in {where}, so a later run compiles faster")
+        typical = others[len(others) // 2]  # the median first compile measured here
+        return (f"{what}: about {typical:.0f} s the first time on this machine (the median of {len(others)} first "
+                f"compiles measured here); then cached on disk in {where}, so a later run compiles faster")
     guess = "30-45 s on a 2-core CPU, less on more cores" if kind == "cpu" else "tens of seconds"
     return (f"{what}: the first time typically {guess}; then cached on disk in {where}, "
             "so a later run compiles faster")
@@ -273,6 +274,10 @@ class _Calls:
         self._seen = 0
         if plan.compiles and not self.announced:
             self.announced = True
+            if self.bar is not None:  # the burn-in ramp ran eagerly: the bar starts again after the compile
+                self.bar.leave = False
+                self.bar.close()
+                self.bar = None
             if _tty():
                 self._say(f"fnebm: {compile_notice(self.cfg)}")
         elif not plan.compiles:
@@ -282,8 +287,8 @@ class _Calls:
         steps, self._seen = done - self._seen, done
         self.chunks.append((len(self.plans) - 1, steps, seconds))
         self.first_done.setdefault(len(self.plans) - 1, time.perf_counter())
-        self.done += steps
         self._start_bar()
+        self.done += steps
         if self.bar is not None:
             self.bar.update(steps)
 
@@ -335,9 +340,9 @@ class _Calls:
         if main >= len(self.plans) or self.plans[main] is None:
             return None, "a hand-written kernel (no plan reported)"
         plan = self.plans[main]
-        if plan.reason == "compile=True":
+        if self.cfg.compile is True:
             why = "--compile"
-        elif plan.reason == "compile=False":
+        elif self.cfg.compile is False:
             why = "--no-compile"
         elif plan.reason.startswith("compiled earlier"):
             why = plan.reason
