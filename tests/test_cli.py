@@ -275,6 +275,7 @@ def test_defaults_scale_with_dim_and_sampler():
 def test_burn_in_ramp():
     assert cli.sample._ramp(100, False) == [(1 / 64, 12), (1 / 16, 12), (1 / 4, 12)]
     assert cli.sample._ramp(15, False) == [] and cli.sample._ramp(100, True) == []
+    assert cli.sample._ramp(10_000, False) == [(1 / 64, 64), (1 / 16, 64), (1 / 4, 64)]
     assert cli.sample._ramp(100, False, "rosenbrock") != [] and cli.sample._ramp(100, False, "gaussian") == []
 
 
@@ -352,6 +353,9 @@ def test_mixing_verdicts_on_made_up_traces():
     modes = torch.where(torch.arange(chains) % 3 == 0, 3.0, -3.0)[None, :, None]
     rhat = torch.tensor([2.0])
     assert cli.sample.mixing(noise + modes, rhat)["verdict"] == "separate modes"
+    many = 0.1 * torch.randn(draws, 512, 1, generator=g) + torch.where(torch.arange(512) % 2 == 0, 3.0, -3.0)[None, :, None]
+    many[:, :4] = torch.linspace(-3, 3, draws)[:, None, None]  # 4 of 512 chains cross between the modes
+    assert cli.sample.mixing(many, rhat)["verdict"] == "separate modes"
     walk = torch.randn(draws, chains, 1, generator=g).cumsum(0)  # one slow random walk per chain
     assert cli.sample.mixing(walk, rhat)["verdict"] == "too short"
     assert cli.sample.mixing(walk[:, :8], rhat)["verdict"] == "few chains"

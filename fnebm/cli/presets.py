@@ -127,7 +127,7 @@ ENERGIES: dict[str, EnergySpec] = {
         _family(E.double_well), 0.05, "h=2, b=1: wells at x_i = +-1", langevin_step_size=0.01,
         steps=(2000, 2000), multimodal=True, ramp=True,
         mixing="two wells per coordinate behind a barrier of height 2: chains cross it every few hundred "
-               "steps, so R-hat reaches 1.01 only after ~20,000 steps (dim 2) or more"),
+               "steps, so R-hat reaches 1.01 only after ~27,000 steps (dim 2) or more"),
     "rosenbrock": EnergySpec(
         _family(E.rosenbrock), 0.001, "a=1, b=100; dim >= 2", langevin_step_size=0.0005, ramp=True,
         mixing="one mode, but a narrow curved ridge: MALA's steps must be tiny across it and chains creep "

@@ -213,13 +213,13 @@ def _ramp(burn_in: int, adapted: bool, energy: str | None = None) -> list[tuple[
     A chain drawn far out in a light tail (a double well's quartic walls, Rosenbrock's ridge) sees
     a gradient so steep that a full step overshoots: an unadjusted chain runs away, an adjusted
     one rejects every proposal and freezes. Steps of 1/64, 1/16 and 1/4 the size (``burn_in // 8``
-    each) bring such chains in; the rest of the burn-in runs at the full step. Only for energies
+    each, at most 64) bring such chains in; the rest of the burn-in runs at the full step. Only for energies
     marked ``ramp`` (``None``: any), not after ``--adapt`` (its warm-up starts small itself), nor
     for a burn-in under 16 steps.
     """
     if adapted or burn_in < 16 or (energy is not None and not ENERGIES[energy].ramp):
         return []
-    n = burn_in // 8
+    n = min(burn_in // 8, 64)  # tens of steps bring a chain in from the walls
     return [(1 / 64, n), (1 / 16, n), (1 / 4, n)]
 
 
@@ -344,6 +344,8 @@ class _Calls:
             why = "--compile"
         elif self.cfg.compile is False:
             why = "--no-compile"
+        elif any(p is not None and p.compiles for p in self.plans[:main]):
+            why = "auto: compiled during the burn-in ramp"
         elif plan.reason.startswith("compiled earlier"):
             why = plan.reason
         else:
@@ -457,10 +459,11 @@ def flag_chains(positions: Tensor) -> dict[str, Tensor]:
 def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[str, Any]:
     """Why R-hat is high: ``separate modes`` or ``too short`` (or ``few chains``).
 
-    On the coordinate with the largest R-hat: the chains' means, sorted, show a gap of more than
-    4 typical within-chain standard deviations with at least 5% of the chains on each side when
-    the chains sit in separate modes (little spread within a chain, much between, means in
-    clusters); a run that is merely too short spreads the means out without such a gap.
+    On the coordinate with the largest R-hat: when the chains sit in separate modes (little spread
+    within a chain, much between, means in clusters), the chains' means, sorted, leave a gap: an
+    interval more than 4 typical within-chain standard deviations wide that holds at most 1% of
+    them (a few chains may cross between modes), with at least 5% of the chains on each side. A
+    run that is merely too short spreads the means out without such a gap.
     """
     d = int(torch.nan_to_num(rhat.double(), nan=-1.0).argmax())
     x = positions[..., d].double()
@@ -472,9 +475,10 @@ def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[
     means, sds = x.mean(0), x.std(0)
     within = float(sds.median())
     m = means.sort().values
-    k = max(2, math.ceil(0.05 * chains))
-    gaps = m[k:chains - k + 1] - m[k - 1:chains - k]
-    gap = float(gaps.max()) / within if within > 0 else math.inf
+    k = max(2, math.ceil(0.05 * chains))  # chains on each side
+    w = max(1, round(0.01 * chains))  # the gap may hold w - 1 chains
+    lo = torch.arange(k - 1, chains - k - w + 1, device=m.device)
+    gap = float((m[lo + w] - m[lo]).max()) / within if within > 0 else math.inf
     return dict(verdict="separate modes" if gap > 4 else "too short", coordinate=d, gap=gap)
 
 
