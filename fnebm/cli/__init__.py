@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, MemoryError) as e:  # the CPU allocator raises RuntimeError, CUDA's OutOfMemoryError
         if not is_out_of_memory(e):
             raise
-        print(f"{PROG}: error: out of memory ({_one_line(e)[:200]}); use fewer --chains or --steps, or a larger "
-              "--thin", file=sys.stderr)
+        print(f"{PROG}: error: out of memory ({_one_line(e)[:200]}); use a smaller run: fewer --chains or --steps "
+              "(fnebm sample: or a larger --thin)", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
