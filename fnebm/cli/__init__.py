@@ -15,8 +15,6 @@ import argparse
 import sys
 import tempfile  # noqa: F401  (tests patch cli.tempfile.mkstemp)
 
-import torch
-
 import fnebm
 from fnebm.cli._common import PROG, RunError, UsageError, _one_line, _Parser, is_out_of_memory, write_atomic
 from fnebm.cli.presets import DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, EnergySpec, demo_command
