@@ -790,8 +790,8 @@ def plot(f: BinaryIO, target: Any, positions: Tensor, energies: Tensor, summary:
     q = torch.nanquantile(en, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), dim=1).numpy()
     ax.fill_between(steps[::stride], q[0], q[2], color="#3b75af", alpha=0.25, lw=0, label="10-90% of chains")
     ax.plot(steps[::stride], q[1], color="#3b75af", lw=1.2, label="median")
-    left_out = f", {len(flagged)} flagged chains left out" if flagged and good else ""
-    ax.set(xlabel="step", ylabel="energy E(x)", title=f"energy over chains (kept draws{left_out})")
+    left_out = f" ({len(flagged)} flagged chains out)" if flagged and good else " over chains"
+    ax.set(xlabel="step", ylabel="energy E(x)", title=f"energy{left_out}")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.savefig(f, format="png", dpi=110)
