@@ -130,7 +130,7 @@ ENERGIES: dict[str, EnergySpec] = {
                "steps, so R-hat reaches 1.01 only after ~27,000 steps (dim 2) or more"),
     "rosenbrock": EnergySpec(
         _family(E.rosenbrock), 0.001, "a=1, b=100; dim >= 2", langevin_step_size=0.0005, ramp=True,
-        mixing="one mode, but a narrow curved ridge: MALA's steps must be tiny across it and chains creep "
+        mixing="one mode, but a narrow curved ridge: steps must be tiny across it and chains creep "
                "along it (autocorrelation times of thousands of steps); NUTS with --adapt does better"),
     "harmonic": EnergySpec(
         _family(E.harmonic), 0.8, "k=1: N(0, I)", langevin_step_size=0.1, truth=_harmonic_truth),
