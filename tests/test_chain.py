@@ -248,7 +248,9 @@ def test_auto_rents_before_it_buys():
     # compile taken to cost 12 s
     cache = fnebm.chain.RunnerCache(compile_estimate_s=12.0)
     ledger = cache.ledger("kind", "shapes")
-    ledger.eager_s, ledger.eager_steps = 5.0, 100
+    ledger.record(2.0, 40)   # 0.05 s a step
+    ledger.record(3.0, 20)   # a slower stretch (a busy neighbour): the estimate keeps the best rate
+    assert ledger.eager_s == 5.0 and ledger.eager_steps == 60 and ledger.step_s() == 0.05
     assert not cache.plan("kind", "shapes", 100, "auto").compiled    # 5 + 5 <= 12: rent
     assert cache.plan("kind", "shapes", 200, "auto").compiled        # 5 + 10 > 12: buy
     assert cache.plan("kind", "shapes", 200, "auto").compiles

@@ -32,7 +32,7 @@ def light_compiles(monkeypatch):
         return compile_(**kw) if fn is None else compile_(fn, **kw)
 
     monkeypatch.setattr(torch, "compile", compile_with_aot_eager)
-    monkeypatch.setattr(fnebm.chain.sample, "default_cache", fnebm.chain.RunnerCache(backend="aot_eager"))
+    monkeypatch.setattr(fnebm.chain.sample, "default_cache", fnebm.chain.RunnerCache(backend="aot_eager", compile_estimate_s=20.0))
 
 
 @pytest.mark.parametrize("path", [p for p in FILES if blocks(p)], ids=lambda p: p.name)

@@ -97,8 +97,8 @@ class RunPlan(NamedTuple):
     compiled: the compiled runner runs (else the steps run eagerly); compiles: a graph is
     compiled first (nothing of this kind and shapes has been compiled in this process yet; the
     compile may still be served by Inductor's on-disk cache); reason: one line saying why;
-    eager_step_s: seconds per eager step measured so far for this kind and shapes (``None``
-    before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
+    eager_step_s: seconds per eager step for this kind and shapes, the fastest rate measured so far
+    (``None`` before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
     the steps of this call; kernel: a hand-written Triton kernel runs the whole chain (see
     ``backend=``), neither the compiled runner nor the eager loop.
     """
@@ -115,15 +115,23 @@ class RunPlan(NamedTuple):
 class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
-    __slots__ = ("eager_s", "eager_steps", "compiled")
+    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled")
 
     def __init__(self):
-        self.eager_s = 0.0      # seconds spent running this eagerly (the probe step included)
+        self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
         self.eager_steps = 0
+        self.best_step_s = None  # the fastest measured rate: a noisy machine only ever slows a step
         self.compiled = False   # the compiled runner has run at these shapes
 
+    def record(self, seconds: float, steps: int) -> None:
+        """``steps`` eager steps took ``seconds``."""
+        self.eager_s += seconds
+        self.eager_steps += steps
+        rate = seconds / steps
+        self.best_step_s = rate if self.best_step_s is None else min(self.best_step_s, rate)
+
     def step_s(self) -> float | None:
-        return self.eager_s / self.eager_steps if self.eager_steps else None
+        return self.best_step_s
 
 
 class RunnerCache:
