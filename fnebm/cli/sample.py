@@ -75,6 +75,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
                           "them eagerly would take longer than a compile)")
     how.add_argument("--no-compile", dest="compile", action="store_const", const=False,
                      help="never compile: run the steps eagerly (same draws up to float rounding)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the run, time the sampler on these shapes: compile, first result, warm step "
+                        "and its split into gradient, random draws, update and trace write "
+                        "(fnebm.profile_sampling; costs about 7 more runs, and a compile unless --no-compile)")
 
 
 
@@ -98,6 +102,7 @@ class Config(NamedTuple):
     plot: str | None
     progress: bool
     compile: bool | str
+    profile: bool = False
 
 
 
@@ -147,7 +152,7 @@ def _config(args: argparse.Namespace) -> Config:
         energy=args.energy, sampler=args.sampler, dim=args.dim, chains=args.chains, steps=steps,
         adapt=adapt, burn_in=burn_in, thin=thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
         device=str(device), out=out, plot=plot,
-        progress=not args.no_progress and sys.stderr.isatty(), compile=args.compile,
+        progress=not args.no_progress and sys.stderr.isatty(), compile=args.compile, profile=args.profile,
     )
     _check_memory(cfg)
     return cfg
@@ -411,6 +416,10 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     summary = _summary(cfg, target, positions, energies, info, compile_s, sampling_s)
     summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted, compiled=compiled, path=why,
                    ramp=[[f, n] for f, n in ramp], setup_s=max(0.0, wall - sampling_s - (compile_s or 0.0)))
+    if cfg.profile:  # the sampled algorithm from the same start (after adaptation), measured apart
+        profile = fnebm.profile_sampling(alg, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin,
+                                         collect=_collect, compile=cfg.compile is not False)
+        summary["profile"] = str(profile)
     return summary, positions, energies, target
 
 
@@ -851,6 +860,8 @@ def _sample(args: argparse.Namespace) -> int:
     cfg = _config(args)
     summary, positions, energies, target = _run(cfg)
     print("\n".join(format_summary(summary)), flush=True)
+    if "profile" in summary:
+        print(summary["profile"], flush=True)
 
     files = []
     if cfg.out is not None:
