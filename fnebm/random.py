@@ -106,12 +106,47 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (p >> 32) + a, p & _M32
 
 
+# Eager CPU calls run Philox in NumPy's uint64, which multiplies 32-bit words exactly and costs
+# about 1 us an operation where a small torch operation costs 5-10 us: the same bits (tested
+# against the torch path), 2-10x faster for a sampler's per-step keys and draws. Compiled code,
+# vmap/grad and other devices take the torch path, which is what the compiler sees.
+_NUMPY_EAGER = True
+
+
+def _numpy_eligible(words: tuple) -> bool:
+    if not _NUMPY_EAGER or torch.compiler.is_compiling():
+        return False
+    for w in words:
+        if type(w) is not torch.Tensor or w.device.type != "cpu" or w.requires_grad:
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(w):
+            return False
+    return True
+
+
+def _philox_numpy(c0, c1, c2, c3, k0, k1, rounds: int):
+    import numpy as np
+
+    c0, c1, c2, c3, k0, k1 = np.broadcast_arrays(*(w.numpy().view(np.uint64) for w in (c0, c1, c2, c3, k0, k1)))
+    m32, s32 = np.uint64(_M32), np.uint64(32)
+    ra, rb, ka, kb = np.uint64(_ROUND_A), np.uint64(_ROUND_B), np.uint64(_KEY_A), np.uint64(_KEY_B)
+    for _ in range(rounds):
+        p0, p1 = c0 * ra, c2 * rb  # exact: 32 x 32 bits fit in 64
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & m32, (p0 >> s32) ^ c3 ^ k1, p0 & m32
+        k0 = (k0 + ka) & m32
+        k1 = (k1 + kb) & m32
+    # every word is a fresh array of the broadcast shape (rounds >= 1): wrap it without a copy
+    return tuple(torch.from_numpy((np.asarray(w) if rounds else np.array(w)).view(np.int64)) for w in (c0, c1, c2, c3))
+
+
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
     """Philox4x32 (Random123) on int64 tensors holding 32-bit words; broadcasts its inputs.
 
     Returns the four output words. With ``rounds=10`` this is ``philox4x32_10`` and Triton's
     ``tl.philox(seed, c0, c1, c2, c3)`` with ``seed = k0 | k1 << 32``.
     """
+    if _numpy_eligible((c0, c1, c2, c3, k0, k1)):
+        return _philox_numpy(c0, c1, c2, c3, k0, k1, rounds)
     for _ in range(rounds):
         hi0, lo0 = _mulhilo(c0, _ROUND_A)
         hi1, lo1 = _mulhilo(c2, _ROUND_B)

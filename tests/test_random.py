@@ -20,11 +20,36 @@ KAT = [
 seeds = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 
 
+@pytest.mark.parametrize("numpy_path", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("ctr,k,expected", KAT)
-def test_philox_known_answers(ctr, k, expected):
+def test_philox_known_answers(ctr, k, expected, numpy_path, monkeypatch):
+    # eager CPU calls take the NumPy path, everything else the torch ops: both must be Philox
+    monkeypatch.setattr(fr, "_NUMPY_EAGER", numpy_path)
     words = [torch.tensor(c, dtype=torch.int64) for c in ctr + k]
     out = fr.philox4x32(*words)
     assert tuple(int(w) for w in out) == expected
+    assert all(w.dtype == torch.int64 for w in out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(), (1,), (3,), (4, 1), (2, 3)]))
+def test_numpy_and_torch_paths_agree_bit_for_bit(seed, shape):
+    # broadcast words of mixed shapes, and every public function built on Philox
+    g = torch.Generator().manual_seed(seed)  # the test's own generator; the library never uses one
+    words = [torch.randint(0, 2**32, s, generator=g) for s in (shape, (), (3,) if shape else (), (1,), shape, ())]
+    keys = fr.split(fr.key(seed), 5)
+    calls = [lambda: fr.philox4x32(*words), lambda: fr.normal(fr.fold_in(keys, 7), (3,)),
+             lambda: fr.uniform(keys, (2, 2), torch.float64), lambda: fr.split(keys, 3), lambda: fr.bits(keys, 5)]
+    try:
+        for call in calls:
+            fr._NUMPY_EAGER = True
+            a = call()
+            fr._NUMPY_EAGER = False
+            b = call()
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+    finally:
+        fr._NUMPY_EAGER = True
 
 
 def test_key_layout():
