@@ -118,8 +118,8 @@ def _train(args) -> dict:
     opt_state = w4.w4_adam_init(energy)
     model = w4.w4_torchebm_model(params)
     te_step = w4.w4_torchebm_trainer(model, args.k)
-    torch.manual_seed(0)  # TorchEBM's noise: the global generator
-    k_data, k_train = fr.key(1), fr.key(2)
+    torch.manual_seed(args.seed)  # TorchEBM's noise: the global generator
+    k_data, k_train = fr.key(1), fr.key(2 + args.seed)  # the batches stay; the chains' noise changes with --seed
     times = {"fnebm": [], "torchebm": []}
     losses = {"fnebm": [], "torchebm": []}
     for t in range(args.steps):
@@ -152,6 +152,9 @@ def main(argv=None) -> int:
                         help="torch.save both trained parameter dicts here (to evaluate them again later)")
     parser.add_argument("--load", default=None, metavar="PATH",
                         help="skip training: evaluate the parameters a --save run wrote")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the samplers' noise: fnebm's key(2 + seed), TorchEBM's torch.manual_seed(seed) (the "
+                             "batches, initial weights and evaluation stay the same) (default 0)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's). 1 keeps a loaded machine from stalling OpenMP "
                              "barriers, which slows both sides by 10-100x; the figures do not depend on it")
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
     rows["torchebm"]["mmd2_own_sampler"] = mmd2(own[torch.isfinite(own).all(1)], data[:2000])
     pairs = [b / a for a, b in zip(times["fnebm"][1:], times["torchebm"][1:])]
     summary = dict(
-        steps=args.steps, batch=args.batch, k=args.k, load_before=load_before,
+        steps=args.steps, batch=args.batch, k=args.k, seed=args.seed, load_before=load_before,
         load_after=[round(x, 2) for x in os.getloadavg()], threads=torch.get_num_threads(),
         ratio_per_step_median=statistics.median(pairs),
         method=("both trained on the same batches, interleaved step by step; ratio: median over steps 2.. of "
