@@ -63,7 +63,7 @@ def test_train_prints_a_summary_and_writes_checkpoint_and_plot(runs, capsys):
     assert code == 0
     ckpt = torch.load(path)  # weights_only=True: plain containers and tensors only
     assert set(ckpt) == CHECKPOINT_KEYS
-    assert ckpt["format"] == "fnebm-train" and ckpt["version"] == 1 and ckpt["step"] == 6
+    assert ckpt["format"] == "fnebm-train" and ckpt["version"] == 2 and ckpt["step"] == 6
     assert ckpt["config"] == {**cli.TRAIN_DEFAULTS, "batch": 64, "hidden": 16, "k": 2, "buffer": 128}
     assert ckpt["key"].shape == (2,) and ckpt["losses"].shape == (6,) and torch.isfinite(ckpt["losses"]).all()
     shapes = {"w0": (2, 16), "b0": (16,), "w1": (16, 16), "b1": (16,), "w2": (16, 1)}
@@ -122,6 +122,33 @@ def test_resume_is_bit_exact(runs, tmp_path, capsys):
     assert_same_state(torch.load(out), torch.load(done["six"][1]))
 
 
+def test_learning_rate_falls_linearly_to_the_floor_then_stays():
+    cfg = cli.train.TrainConfig(**{**cli.TRAIN_DEFAULTS, "lr": 1e-2, "lr_decay": 100}, steps=1, sample_steps=1,
+                                device="cpu", out=None, plot=None, resume=None, progress=False, compile=False)
+    floor = cli.train.LR_FLOOR * 1e-2
+    rates = [cli.train.learning_rate(cfg, t) for t in (0, 50, 100, 101, 10_000)]
+    assert rates[0] == 1e-2 and rates[1] == pytest.approx((1e-2 + floor) / 2, rel=1e-12)
+    assert rates[2:] == pytest.approx([floor] * 3, rel=1e-12)
+    assert cli.train.learning_rate(cfg._replace(lr_decay=0), 10_000) == 1e-2  # 0: constant
+
+
+def test_a_version_1_checkpoint_resumes_at_a_constant_rate(runs, tmp_path, capsys):
+    # version 1 had no lr_decay or reinit and trained at a constant rate with restarts 0.05: it continues
+    # so, and is written as version 2
+    _, done = runs
+    old = torch.load(done["three"][1])
+    old["version"] = 1
+    del old["config"]["lr_decay"], old["config"]["reinit"]
+    torch.save(old, tmp_path / "v1.pt")
+    code, stdout, err = run(capsys, "train", "--resume", tmp_path / "v1.pt", "--steps", 1, "--sample-steps", 2,
+                            "--device", "cpu", "--no-progress", "--no-compile", "--out", tmp_path / "v2.pt")
+    assert code == 0, err
+    assert "lr 0.002, seed 0" in stdout and "restarts 0.05" in stdout  # no decay in the summary
+    new = torch.load(tmp_path / "v2.pt")
+    assert new["version"] == 2 and new["step"] == 4
+    assert new["config"]["lr_decay"] == 0 and new["config"]["reinit"] == 0.05
+
+
 def test_resume_onto_its_own_file_with_matching_options(runs, tmp_path, capsys):
     _, done = runs
     path = tmp_path / "model.pt"
@@ -153,12 +180,17 @@ def bad_cases(d, checkpoint):
         (["--lr", "0"], "--lr must be a finite number > 0"),
         (["--lr=-1e-3"], "--lr must be a finite number > 0"),
         (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--lr-decay", "-1"], "--lr-decay must be >= 0"),
+        (["--resume", str(checkpoint), "--lr-decay", "0"], "--lr-decay 0 differs from the checkpoint's 2000"),
         (["--step-size", "inf"], "--step-size must be a finite number > 0"),
         (["--sigma", "0"], "--sigma must be a finite number > 0"),
         (["--noise-scale", "-1"], "--noise-scale must be a finite number >= 0"),
         (["--sampler", "mala", "--noise-scale", "0.5"], "--noise-scale is Langevin's"),
         (["--buffer", "10"], "--buffer must be 0 (none) or >= --batch"),
         (["--loss", "dsm", "--buffer", "128"], "--buffer is persistent CD's"),
+        (["--reinit", "1.5"], "--reinit must be a probability in [0, 1]"),
+        (["--reinit", "nan"], "--reinit must be a probability in [0, 1]"),
+        (["--loss", "cd", "--reinit", "0.1"], "--reinit is persistent CD's"),
         (["--steps", "two"], "invalid int value"),
         (["--frobnicate"], "unrecognized arguments"),
         (["--device", "tpu"], "unknown device"),
@@ -211,9 +243,9 @@ def test_help_lists_the_options(capsys):
         assert option in out, option
 
 
-OPTIONS = ("--dataset", "--loss", "--sampler", "--steps", "--batch", "--lr", "--k", "--step-size", "--noise-scale",
-           "--sigma", "--buffer", "--hidden", "--seed", "--dtype", "--sample-steps", "--out", "--plot", "--resume",
-           "--device", "--no-progress", "--no-compile")
+OPTIONS = ("--dataset", "--loss", "--sampler", "--steps", "--batch", "--lr", "--lr-decay", "--k", "--step-size",
+           "--noise-scale", "--sigma", "--buffer", "--reinit", "--hidden", "--seed", "--dtype", "--sample-steps",
+           "--out", "--plot", "--resume", "--device", "--no-progress", "--no-compile")
 
 
 def test_docs_cover_the_command():

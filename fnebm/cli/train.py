@@ -30,15 +30,18 @@ from fnebm.cli.presets import DTYPES
 TRAIN_LOSSES = ("pcd", "cd", "dsm", "ssm", "sm")
 TRAIN_SAMPLERS = ("langevin", "mala")
 CHECKPOINT_FORMAT = "fnebm-train"
-CHECKPOINT_VERSION = 1
-# the training options a checkpoint fixes (a resumed run takes them from it), and their defaults
+CHECKPOINT_VERSION = 2  # 2: config["lr_decay"], config["reinit"]; version 1 (constant lr, restarts 0.05) reads as such
+V1_CONFIG = {"lr_decay": 0, "reinit": 0.05}  # what a version 1 checkpoint trained with
+# the training options a checkpoint fixes (a resumed run takes them from it), and their defaults. Tuned on
+# eight_gaussians (docs/cli.md): at a constant lr the modes' weights drift with the gradient noise, and a
+# linear decay settles them; the chains' restarts from noise are what carve the modes out of a ring.
 TRAIN_DEFAULTS: dict[str, Any] = dict(
-    dataset="eight_gaussians", loss="pcd", sampler="langevin", batch=1024, lr=1e-3, k=10, step_size=0.01,
-    noise_scale=1.0, sigma=0.1, buffer=0, hidden=128, seed=0, dtype="float32",
+    dataset="eight_gaussians", loss="pcd", sampler="langevin", batch=1024, lr=2e-3, lr_decay=2000, k=10,
+    step_size=0.01, noise_scale=1.0, sigma=0.1, buffer=0, reinit=0.2, hidden=128, seed=0, dtype="float32",
 )
 TETHER = 0.01         # E(x) = MLP(x) + TETHER |x|^2 / 2: exp(-E) stays normalisable whatever the MLP does
 INIT_SCALE = 2.0      # fresh chains (PCD restarts, model samples) start from N(0, INIT_SCALE^2 I)
-REINIT_PROB = 0.05    # PCD: chance that a chain restarts from noise at each step
+LR_FLOOR = 0.05       # with --lr-decay N: the lr falls linearly to LR_FLOOR * lr at step N and stays there
 ADAM = (0.9, 0.999, 1e-8)
 SAMPLE_CHAINS = 2000  # chains run from noise after training: the plot's and the MMD's model samples
 EVAL_POINTS = 10_000  # data points of the grid KL's density estimate (and a second set for its floor)
@@ -52,11 +55,13 @@ class TrainConfig(NamedTuple):
     sampler: str
     batch: int
     lr: float
+    lr_decay: int
     k: int
     step_size: float
     noise_scale: float
     sigma: float
     buffer: int
+    reinit: float
     hidden: int
     seed: int
     dtype: str
@@ -90,7 +95,11 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="training steps to run now (after --resume: more steps) (default: 2000)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help=f"data points per step, and persistent chains for pcd (default: {d['batch']})")
-    p.add_argument("--lr", type=float, default=None, metavar="LR", help=f"Adam learning rate (default: {d['lr']:g})")
+    p.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help=f"Adam's learning rate at step 0 (default: {d['lr']:g})")
+    p.add_argument("--lr-decay", type=int, default=None, metavar="N",
+                   help=f"the learning rate falls linearly to {LR_FLOOR:g} x --lr at step N and stays there; "
+                        f"0 for a constant rate (default: {d['lr_decay']})")
     p.add_argument("--k", type=int, default=None, metavar="N",
                    help=f"cd/pcd: sampler steps per training step (default: {d['k']})")
     p.add_argument("--step-size", type=float, default=None, metavar="H",
@@ -101,6 +110,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help=f"dsm: the noise level (default: {d['sigma']:g})")
     p.add_argument("--buffer", type=int, default=None, metavar="N",
                    help="pcd: replay buffer entries, 0 for none, else >= --batch (default: 0)")
+    p.add_argument("--reinit", type=float, default=None, metavar="P",
+                   help=f"pcd: probability that a chain restarts from noise at each step (default: {d['reinit']:g})")
     p.add_argument("--hidden", type=int, default=None, metavar="N",
                    help=f"width of the MLP's two hidden layers (default: {d['hidden']})")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the key (default: 0)")
@@ -135,9 +146,12 @@ def _load_checkpoint(path: str, device: torch.device) -> dict[str, Any]:
         raise UsageError(f"--resume {path}: not an fnebm train checkpoint ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: not an fnebm train checkpoint (written by fnebm train --out)")
-    if ckpt.get("version") != CHECKPOINT_VERSION:
+    if ckpt.get("version") not in (1, CHECKPOINT_VERSION):
         raise UsageError(f"--resume {path}: checkpoint version {ckpt.get('version')!r}, this fnebm reads "
-                         f"{CHECKPOINT_VERSION}")
+                         f"1 to {CHECKPOINT_VERSION}")
+    if ckpt["version"] == 1 and isinstance(ckpt.get("config"), dict):
+        for name, value in V1_CONFIG.items():  # continue a version 1 run the way it was trained
+            ckpt["config"].setdefault(name, value)
     needed = ("config", "step", "key", "params", "optimizer", "chains", "losses")
     missing = [k for k in needed if k not in ckpt]
     config = ckpt.get("config")
@@ -170,6 +184,8 @@ def _train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]
         raise UsageError(f"unknown sampler {opts['sampler']!r} (choose from {', '.join(TRAIN_SAMPLERS)})")
     if opts["dtype"] not in DTYPES:
         raise UsageError(f"unknown dtype {opts['dtype']!r} (choose from {', '.join(DTYPES)})")
+    if opts["lr_decay"] < 0:
+        raise UsageError(f"--lr-decay must be >= 0 (0: a constant learning rate), got {opts['lr_decay']}")
     for flag, value in (("--steps", args.steps), ("--batch", opts["batch"]), ("--k", opts["k"]),
                         ("--hidden", opts["hidden"]), ("--sample-steps", args.sample_steps)):
         _positive(flag, value, integer=True)
@@ -181,6 +197,10 @@ def _train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]
         raise UsageError(f"--noise-scale is Langevin's: use it with --sampler langevin, not {opts['sampler']}")
     if opts["buffer"] < 0 or 0 < opts["buffer"] < opts["batch"]:
         raise UsageError(f"--buffer must be 0 (none) or >= --batch {opts['batch']}, got {opts['buffer']}")
+    if not (math.isfinite(opts["reinit"]) and 0 <= opts["reinit"] <= 1):
+        raise UsageError(f"--reinit must be a probability in [0, 1], got {opts['reinit']}")
+    if args.reinit is not None and opts["loss"] != "pcd":
+        raise UsageError(f"--reinit is persistent CD's restart probability: use it with --loss pcd, not {opts['loss']}")
     if args.buffer is not None and opts["buffer"] and opts["loss"] != "pcd":
         raise UsageError(f"--buffer is persistent CD's replay buffer: use it with --loss pcd, not {opts['loss']}")
     try:
@@ -251,7 +271,7 @@ def _loss_function(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
         energy = E.bind(mlp_energy, params)
         if cfg.loss == "pcd":
             loss, aux = losses.persistent_contrastive_divergence(
-                energy, batch, k_loss, chains, sampler=sampler, n_steps=cfg.k, reinit_prob=REINIT_PROB,
+                energy, batch, k_loss, chains, sampler=sampler, n_steps=cfg.k, reinit_prob=cfg.reinit,
                 noise=_fresh, unroll=False)
             return loss, aux.state
         if cfg.loss == "cd":
@@ -266,6 +286,14 @@ def _loss_function(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
         return loss, chains
 
     return f
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Adam's rate at training step ``step`` (counted over the whole run, across resumes): ``lr`` falling
+    linearly to ``LR_FLOOR * lr`` at step ``lr_decay`` and constant after it; ``lr`` throughout if ``lr_decay`` is 0."""
+    if cfg.lr_decay == 0:
+        return cfg.lr
+    return cfg.lr * max(LR_FLOOR, 1.0 - (1.0 - LR_FLOOR) * step / cfg.lr_decay)
 
 
 def adam_update(params: dict[str, Tensor], grads: tuple[Tensor, ...], opt: dict[str, Any],
@@ -353,7 +381,8 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
         loss, chains = loss_fn(leaves, fr.fold_in(base_key, start + i), chains)
         grads = torch.autograd.grad(loss, tuple(leaves.values()))
         with torch.no_grad():
-            params, opt = adam_update({n: p.detach() for n, p in leaves.items()}, grads, opt, cfg.lr)
+            params, opt = adam_update({n: p.detach() for n, p in leaves.items()}, grads, opt,
+                                      learning_rate(cfg, start + i))
         history[i] = loss.detach()
         if i == 0 and cfg.compile:  # the first call compiles: timed on its own
             _sync(device)
@@ -513,8 +542,8 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
     if c["loss"] in ("pcd", "cd"):
         sampler = f"{c['sampler']} step {c['step_size']:g}" + (
             f", noise {c['noise_scale']:g}" if c["sampler"] == "langevin" else "")
-        chains = (f"{c['batch']} persistent chains" + (f", buffer {c['buffer']}" if c["buffer"] else "")
-                  if c["loss"] == "pcd" else "chains from the data")
+        chains = (f"{c['batch']} persistent chains, restarts {c['reinit']:g}"
+                  + (f", buffer {c['buffer']}" if c["buffer"] else "") if c["loss"] == "pcd" else "chains from the data")
         loss = f"{c['loss']}: k={c['k']} steps of {sampler}; {chains}"
     elif c["loss"] == "dsm":
         loss = f"dsm: sigma {c['sigma']:g}"
@@ -525,7 +554,9 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
         ("dataset", f"{c['dataset']}, {c['dtype']} on {s['device']}"),
         ("model", f"MLP 2-{h}-{h}-1 (SiLU) + {TETHER:g}|x|^2/2, {s['n_params']} parameters"),
         ("loss", loss),
-        ("steps", f"{s['start']} -> {s['step']} (batch {c['batch']}, Adam lr {c['lr']:g}, seed {c['seed']})"),
+        ("steps", f"{s['start']} -> {s['step']} (batch {c['batch']}, Adam lr {c['lr']:g}"
+                  + (f" -> {LR_FLOOR * c['lr']:g} linearly by step {c['lr_decay']}" if c["lr_decay"] else "")
+                  + f", seed {c['seed']})"),
         ("final loss", f"{s['final_loss']:.4g} (mean over the last {s['final_window']} steps)"),
         ("compile", "skipped (--no-compile)" if s["compile_s"] is None else f"{s['compile_s']:.2f} s"),
         ("training", f"{s['train_s']:.2f} s ({1000 * s['step_ms']:.1f} ms/step)"),
