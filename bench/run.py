@@ -17,8 +17,9 @@ Workloads (fixed, so that runs compare over time):
          losses.contrastive_divergence under torch.func.grad_and_value plus Adam as tree_maps,
          one torch.compile(fullgraph=True) step called 10 times; peer: TorchEBM
          ContrastiveDivergence + LangevinDynamics + torch.optim.Adam, eager (loss.backward(),
-         opt.step()). --quick: batch 256, k = 3, 5 steps. The model both reach after 2,000
-         steps: bench/w4_quality.py (slow; not part of this run).
+         opt.step()); variant row: fnebm's same step run eagerly (what a short run would use).
+         --quick: batch 256, k = 3, 5 steps. The model both reach after 2,000 steps:
+         bench/w4_quality.py (slow; not part of this run).
   W5     MALA, 10-D Gaussian with diagonal precision (1, 2, ..., 10), mean 0: a sweep over 16
          step sizes (10**-3 .. 10**-0.5, log-spaced) x 1,024 chains x 200 steps in one call,
          per-chain step sizes. fnebm: one fnebm.mala(target, step_sizes) over 16,384 chains
@@ -118,10 +119,10 @@ def fnebm_chain(make_alg, chains, steps, out=False):
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, DIM)))
     key = fr.key(1)
     if not out:
-        return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False)[1]
-    _, trace, info = fnebm.sample_chain(alg.step, state, key, steps, progress=False)
+        return lambda: fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False)[1]
+    _, trace, info = fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False)
     bufs = (trace, info)  # the buffers of an earlier call, filled in place from now on
-    return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False, out=bufs)[1]
+    return lambda: fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False, out=bufs)[1]
 
 
 def fnebm_langevin(chains, steps):
@@ -156,7 +157,7 @@ def _fnebm_sweep(sizes, chains, steps, flat):
         state, ndim = torch.func.vmap(torch.func.vmap(alg.init))(x0), 2
 
     def run():
-        return fnebm.sample_chain(alg.step, state, key, steps, progress=False, chain_ndim=ndim)[1]
+        return fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False, chain_ndim=ndim)[1]
 
     n_sweeps = 0
 
@@ -164,7 +165,7 @@ def _fnebm_sweep(sizes, chains, steps, flat):
         nonlocal n_sweeps
         n_sweeps += 1
         new = fnebm.mala(target, per_chain(_w5_step_sizes(sizes, n_sweeps)))
-        return fnebm.sample_chain(new.step, state, key, steps, progress=False, chain_ndim=ndim)[1]
+        return fnebm.sample_chain(new.step, state, key, steps, compile=True, progress=False, chain_ndim=ndim)[1]
 
     return Bench(run, sweep, _dynamo_graphs)
 
@@ -195,7 +196,7 @@ def fnebm_hmc(chains, steps):
     alg = fnebm.hmc(energy, W2_EPS, None, W2_LEAPFROG)
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, W2_DIM)))
     key = fr.key(1)
-    return lambda: fnebm.sample_chain(alg.step, state, key, steps, progress=False)[1]
+    return lambda: fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False)[1]
 
 
 # ----------------------------------------------------------------------------- torch peers
@@ -406,7 +407,7 @@ def fnebm_nuts_window(chains, warmup, draws):
     def run():
         state, parameters, _ = adapt.run(x0, k_warm)
         alg = fnebm.nuts(energy, **parameters)
-        return fnebm.sample_chain(alg.step, state, k_draw, draws, progress=False)[1]  # (draws, chains, d)
+        return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=True, progress=False)[1]  # (draws, chains, d)
 
     return run
 
@@ -503,15 +504,15 @@ def w4_adam(params, grads, state, lr=W4_LR):
     return params, (m, v, p1, p2)
 
 
-_W4_STEPS: dict[int, Callable] = {}
+_W4_STEPS: dict[tuple[int, bool], Callable] = {}
 
 
-def w4_fnebm_step(k: int) -> Callable:
+def w4_fnebm_step(k: int, compiled: bool = True) -> Callable:
     """fnebm's CD-k training step ``(energy, opt_state, batch, key) -> (energy, opt_state, loss)``:
     ``torch.func.grad_and_value`` of ``losses.contrastive_divergence`` (chains from the data,
     ``k`` Langevin steps, step 0.01, noise scale 0.1) and Adam, compiled once per process as one
-    ``fullgraph`` graph (the sampler's steps unrolled: docs/training.md)."""
-    if k not in _W4_STEPS:
+    ``fullgraph`` graph (the sampler's steps unrolled: docs/training.md); ``compiled=False``: eager."""
+    if (k, compiled) not in _W4_STEPS:
         from fnebm import losses
 
         def sampler(energy):
@@ -525,17 +526,17 @@ def w4_fnebm_step(k: int) -> Callable:
             energy, opt_state = w4_adam(energy, grads, opt_state)
             return energy, opt_state, loss
 
-        _W4_STEPS[k] = torch.compile(train_step, fullgraph=True)
-    return _W4_STEPS[k]
+        _W4_STEPS[k, compiled] = torch.compile(train_step, fullgraph=True) if compiled else train_step
+    return _W4_STEPS[k, compiled]
 
 
-def fnebm_cd(batch, k, steps):
+def fnebm_cd(batch, k, steps, compiled=True):
     from fnebm.cli.train import mlp_energy
 
     energy0 = energies.bind(mlp_energy, w4_params())
     batches = w4_batches(batch, steps)
     keys = torch.stack([fr.fold_in(fr.key(2), t) for t in range(steps)])
-    step = w4_fnebm_step(k)
+    step = w4_fnebm_step(k, compiled)
 
     def run():  # `steps` training steps from the initial weights (a pure function: every call the same)
         energy, opt_state, values = energy0, w4_adam_init(energy0), []
@@ -545,6 +546,10 @@ def fnebm_cd(batch, k, steps):
         return torch.stack(values)
 
     return run
+
+
+def fnebm_cd_eager(batch, k, steps):
+    return fnebm_cd(batch, k, steps, compiled=False)
 
 
 def w4_torchebm_model(params: dict[str, torch.Tensor]):
@@ -672,7 +677,7 @@ WORKLOADS = {
     "W4": dict(
         title="{steps} CD-{k} training steps, MLP 2-128-128-1 (SiLU), batch {batch}, Langevin 0.01 / noise 0.1, Adam",
         ours=("fnebm", fnebm_cd),
-        peers=[("TorchEBM 0.8", torchebm_cd)],
+        peers=[("TorchEBM 0.8", torchebm_cd), ("fnebm eager (no compile)", fnebm_cd_eager)],
         full=dict(batch=1_024, k=10, steps=10),
         quick=dict(batch=256, k=3, steps=5),
     ),
