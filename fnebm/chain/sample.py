@@ -136,8 +136,8 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
     if ledger is not None:
         for _ in range(2):  # the faster of two: one slow step on a busy machine would force a compile
             t0 = time.perf_counter()
-            timed = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
-            _sync(chain.keys.device, timed)
+            step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+            _sync(chain.keys.device)
             ledger.record(time.perf_counter() - t0, 1)
     hint = ("sample_chain calls step(state, keys) with the chain axes leading the state and keys (*chains, 2); "
             "wrap a one-chain step with fnebm.vmap_chains(step)")
@@ -160,7 +160,7 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
     return pytree.tree_map(lambda x: torch.empty_like(x, device="meta"), (kept, info))
 
 
-def _sync(device: torch.device, tree: Any = None) -> None:
+def _sync(device: torch.device) -> None:
     # only around eager chunks and the probe, never inside a step: clocks read real time
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

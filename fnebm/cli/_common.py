@@ -228,3 +228,14 @@ def record_compile_time(config: str, seconds: float) -> None:
             os.unlink(tmp)
         except (OSError, UnboundLocalError):
             pass
+
+
+def write_outputs(outputs: list[tuple[str, str, str, Callable[[BinaryIO], None]]]) -> None:
+    """Write each ``(label, shown_path, path, write)`` with :func:`write_atomic` (all or none),
+    then print one ``label  shown_path`` line each; a failed write is one :class:`RunError` line."""
+    try:
+        write_atomic([(path, write) for _, _, path, write in outputs])
+    except OSError as e:
+        raise RunError(f"cannot write {e.filename or 'output'}: {e.strerror or e}") from None
+    for label, shown, _, _ in outputs:
+        print(f"{label:<12} {shown}")

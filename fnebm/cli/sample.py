@@ -15,9 +15,9 @@ from torch import Tensor
 import fnebm
 from fnebm import diagnostics
 from fnebm import random as fr
-from fnebm.cli._common import (RunError, UsageError, _destination, _device, _float_or_none, _fmt, _sync,
+from fnebm.cli._common import (UsageError, _destination, _device, _float_or_none, _fmt, _sync,
                                available_memory, compile_cache_dir, compile_times, format_bytes,
-                               record_compile_time, write_atomic)
+                               record_compile_time, write_outputs)
 from fnebm.cli.presets import (ADAPTIVE, DEFAULT_ENERGY, DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, Truth, _algorithm,
                                _build, _collect, _extra, default_step_size, default_steps, truth_of)
 
@@ -871,15 +871,8 @@ def _sample(args: argparse.Namespace) -> int:
             "summary": summary,
             "args": {k: v for k, v in cfg._asdict().items() if k not in ("out", "plot", "progress")},
         }
-        files.append((cfg.out, lambda f: torch.save(record, f)))
+        files.append(("saved", args.out, cfg.out, lambda f: torch.save(record, f)))
     if cfg.plot is not None:
-        files.append((cfg.plot, lambda f: plot(f, target, positions, energies, summary)))
-    try:
-        write_atomic(files)
-    except OSError as e:
-        raise RunError(f"cannot write {e.filename or 'output'}: {e.strerror or e}") from None
-    if cfg.out is not None:
-        print(f"{'saved':<12} {args.out}")
-    if cfg.plot is not None:
-        print(f"{'plot':<12} {args.plot}")
+        files.append(("plot", args.plot, cfg.plot, lambda f: plot(f, target, positions, energies, summary)))
+    write_outputs(files)
     return 0

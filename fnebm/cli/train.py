@@ -16,7 +16,7 @@ from torch import Tensor
 import fnebm
 from fnebm import energies as E
 from fnebm import random as fr
-from fnebm.cli._common import RunError, UsageError, _destination, _device, _sync, write_atomic
+from fnebm.cli._common import UsageError, _destination, _device, _sync, write_outputs
 from fnebm.cli.presets import DTYPES
 
 
@@ -608,16 +608,9 @@ def _train(args: argparse.Namespace) -> int:
             "chains": None if chains is None else {k: v.cpu() for k, v in chains._asdict().items()},
             "losses": state["losses"], "summary": summary,
         }
-        files.append((cfg.out, lambda f: torch.save(record, f)))
+        files.append(("saved", args.out, cfg.out, lambda f: torch.save(record, f)))
     if cfg.plot is not None:
-        files.append((cfg.plot, lambda f: plot_training(f, cfg, ev, summary)))
-    try:
-        write_atomic(files)
-    except OSError as e:
-        raise RunError(f"cannot write {e.filename or 'output'}: {e.strerror or e}") from None
-    if cfg.out is not None:
-        print(f"{'saved':<12} {args.out}")
-    if cfg.plot is not None:
-        print(f"{'plot':<12} {args.plot}")
+        files.append(("plot", args.plot, cfg.plot, lambda f: plot_training(f, cfg, ev, summary)))
+    write_outputs(files)
     return 0
 
