@@ -139,6 +139,56 @@ def _philox_numpy(c0, c1, c2, c3, k0, k1, rounds: int):
     return tuple(torch.from_numpy((np.asarray(w) if rounds else np.array(w)).view(np.int64)) for w in (c0, c1, c2, c3))
 
 
+# Eager calls on a CUDA device run Philox as one Triton kernel: the torch path is about 150
+# small kernels, each a launch of 5-10 us of host time (1.5-4 ms for the keys of a sample_chain
+# call, which on a GPU took longer than the whole-chain kernel itself). Same bits (tested
+# against the torch path under TRITON_INTERPRET=1). Compiled code and vmap/grad take the torch
+# path, which Inductor fuses; so do inputs broadcast over more than _TRITON_MAX_NDIM axes.
+_TRITON_EAGER_DEVICES = ("cuda",)
+_TRITON_MAX_NDIM = 4
+_philox_kernel = None
+
+
+def _triton_eligible(words: tuple) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    for w in words:
+        if type(w) is not torch.Tensor or w.device.type not in _TRITON_EAGER_DEVICES or w.requires_grad:
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(w):
+            return False
+    return _triton_kernel() is not None
+
+
+def _triton_kernel():
+    global _philox_kernel
+    if _philox_kernel is None:
+        try:  # a private module beside this one: the kernel needs triton, this module does not
+            from fnebm._philox_triton import philox_kernel
+        except ImportError:  # pragma: no cover - CUDA builds of torch bring triton
+            philox_kernel = False
+        _philox_kernel = philox_kernel
+    return _philox_kernel or None
+
+
+def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
+    words = (c0, c1, c2, c3, k0, k1)
+    shape = torch.broadcast_shapes(*(w.shape for w in words))
+    if len(shape) > _TRITON_MAX_NDIM or rounds < 1:
+        return None
+    full = (1,) * (_TRITON_MAX_NDIM - len(shape)) + tuple(shape)
+    outs = tuple(torch.empty(shape, dtype=torch.int64, device=c0.device) for _ in range(4))
+    n = math.prod(shape)
+    if n == 0:
+        return outs
+    # broadcast views (strides 0 on broadcast axes), no copies
+    views = [(w if w.dtype == torch.int64 else w.to(torch.int64)).expand(shape).reshape(full) for w in words]
+    strides = [st for v in views for st in v.stride()]
+    block = 512
+    _philox_kernel[(-(-n // block),)](*views, *outs, n, full[1], full[2], full[3], *strides, ROUNDS=rounds, BLOCK=block)
+    return outs
+
+
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
     """Philox4x32 (Random123) on int64 tensors holding 32-bit words; broadcasts its inputs.
 
@@ -147,6 +197,10 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
     """
     if _numpy_eligible((c0, c1, c2, c3, k0, k1)):
         return _philox_numpy(c0, c1, c2, c3, k0, k1, rounds)
+    if _triton_eligible((c0, c1, c2, c3, k0, k1)):
+        out = _philox_triton(c0, c1, c2, c3, k0, k1, rounds)
+        if out is not None:
+            return out
     for _ in range(rounds):
         hi0, lo0 = _mulhilo(c0, _ROUND_A)
         hi1, lo1 = _mulhilo(c2, _ROUND_B)

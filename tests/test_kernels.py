@@ -41,6 +41,39 @@ def _keys(chains):
 SHAPES = [((3,), (37,)), ((2, 3), (5, 2)), ((), (1100,))]
 
 
+_PHILOX_CASES = {
+    "split": lambda k, ks: fr.split(k, 7),
+    "split of a batch": lambda k, ks: fr.split(ks, 3),
+    "fold_in": lambda k, ks: fr.fold_in(ks, 2**40 + 17),
+    "fold_in of a vector": lambda k, ks: fr.fold_in(k, torch.arange(6, device=k.device)),
+    "normal": lambda k, ks: fr.normal(ks, (3, 5)),
+    "uniform": lambda k, ks: fr.uniform(k, (9,)),
+    "no keys": lambda k, ks: fr.split(ks[:0], 3),
+    "7 rounds, broadcast": lambda k, ks: torch.stack(fr.philox4x32(
+        torch.arange(5, device=k.device), k[1], torch.tensor([[1], [2**32 - 1]], device=k.device),
+        k[0] * 0, k[0], k[1], rounds=7)),
+}
+
+
+@pytest.mark.parametrize("case", list(_PHILOX_CASES))
+def test_eager_philox_kernel_gives_the_torch_paths_bits(monkeypatch, case):
+    """fnebm.random's eager path on a CUDA device (one Triton kernel for the Philox blocks)
+    gives the bits of the torch path (the path compiled code takes), for keys, draws and a
+    broadcast call of the block function itself."""
+    k = fr.key(2**63 + 12345, device=DEVICE)
+    ks = fr.split(k, 5)
+    monkeypatch.setattr(fr, "_NUMPY_EAGER", False)
+    monkeypatch.setattr(fr, "_TRITON_EAGER_DEVICES", ())
+    want = _PHILOX_CASES[case](k, ks)
+    launches = []
+    real = fr._philox_triton
+    monkeypatch.setattr(fr, "_philox_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fr, "_TRITON_EAGER_DEVICES", (DEVICE,))
+    got = _PHILOX_CASES[case](k, ks)
+    assert launches, "the Triton path did not run"
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("chains, event", SHAPES)
 def test_noise_is_fnebm_random_normal(chains, event):
     keys = _keys(chains)
@@ -162,13 +195,18 @@ def _assert_chain_close(got, want):
             torch.testing.assert_close(a, b, **CHAIN_TOL, msg=name)
 
 
-def test_chain_noise_schedule_and_tails():
+@pytest.mark.parametrize("piece", [None, 3, 1], ids=["one piece", "pieces of 3", "pieces of 1"])
+def test_chain_noise_schedule_and_tails(monkeypatch, piece):
     """Harmonic k = 2 with h = 1/2 makes every step x' = x - x + 1 * xi = xi exactly, so the
     trace *is* the kernel's noise: draw j must be fnebm.random.normal(fold_in(keys, t), d) at
     the stream index t of step burn_in + (j + 1) thin - 1. 3 chains in a block of 4 and d = 37
     (a ragged last lane) leave tails; the buffers are views into larger NaN/True-filled ones,
-    whose extra row must stay untouched. ~7 interpreted steps (~1 s)."""
+    whose extra row must stay untouched. Also with the launch run in pieces of 3 and 1 steps
+    (the per-step keys' buffer made small), whose boundaries cut through burn-in and thinning.
+    ~7 interpreted steps (~1 s)."""
     chains, d, start, burn_in, n_steps, thin = (3,), 37, 5, 2, 5, 2
+    if piece is not None:
+        monkeypatch.setattr(lc, "_KEYS_BYTES", 12 * 3 * piece)
     energy = E.harmonic(2.0, dtype=torch.float32, device=DEVICE)
     x, e, g = _start(energy, chains, d)
     keys = _keys(chains)
@@ -210,6 +248,22 @@ def test_chain_matches_twin(name, sampler):
         got, want = lc.langevin_chain(*args, **kw), lc.langevin_chain_torch(*args, **kw)
     assert got.trace.shape == (2,) + chains + (d,)
     _assert_chain_close(got, want)
+
+
+def test_mala_in_pieces_equals_one_launch(monkeypatch):
+    """MALA run in pieces of 2 steps (final state carried between launches, the uniforms from
+    the per-step buffer) gives exactly what one piece gives."""
+    chains, d = (5,), 6
+    energy = _covered("double_well", d)
+    x, e, g = _start(energy, chains, d)
+    args = (energy, x, e, g, _keys(chains), 3, torch.tensor(0.3, device=DEVICE))
+    kw = dict(n_steps=6, burn_in=1, thin=2)
+    whole = lc.mala_chain(*args, **kw)
+    monkeypatch.setattr(lc, "_KEYS_BYTES", 12 * 5 * 2)
+    pieces = lc.mala_chain(*args, **kw)
+    assert 0 < pieces.is_accepted.float().mean() < 1  # both decisions occur
+    for a, b in zip(whole, pieces):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", COVERED)

@@ -77,6 +77,9 @@ MAX_DIM = 4096
 # launch aims for before it shrinks BLOCK_C; untuned (no GPU measurement exists yet).
 _TILE = 512
 _MIN_PROGRAMS = 1024
+# Per-step chain keys live in a buffer of at most this many bytes (a launch runs in pieces).
+_KEYS_BYTES = 64 * 2**20
+_KEYS_BLOCK = 256
 
 
 class LangevinChain(NamedTuple):
@@ -359,17 +362,41 @@ if HAS_TRITON:
         return out
 
     @triton.jit
+    def step_keys_kernel(seed_ptr, t0_ptr, key_ptr, u_ptr, n_chains, n_steps, t_off, MALA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """Each chain's key of each step, once: ``key[s, c]`` is the seed of
+        ``fold_in(keys[c], t0 + t_off + s)`` (MALA: of the first key of its ``split``, and
+        ``u[s, c]`` the accept/reject uniform drawn from the second). ``(n_steps, n_chains)`` each.
+
+        The chain kernel's threads would otherwise each compute these two or three Philox
+        blocks per step for their chain (measured on an H100: G2's instructions were
+        dominated by them); here they are computed once per chain and step and read back.
+        """
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n_chains.to(tl.int64) * n_steps
+        c = i % n_chains
+        t = tl.load(t0_ptr) + t_off + i // n_chains
+        zero = tl.zeros((BLOCK,), dtype=tl.uint32)
+        key = _fold_in(tl.load(seed_ptr + c, mask=live, other=0), t, zero)
+        if MALA:  # fnebm.random.split(key): words 0-1 draw the noise, 2-3 the uniform
+            w0, w1, w2, w3 = tl.philox(key, zero, zero, zero + _SPLIT_TAG, zero)
+            key = _seed(w0, w1)
+            u, _, _, _ = tl.rand4x(_seed(w2, w3), zero)
+            tl.store(u_ptr + i, u, mask=live)
+        tl.store(key_ptr + i, key.to(tl.int64), mask=live)
+
+    @triton.jit
     def langevin_chain_kernel(
-        x_ptr, e_ptr, g_ptr, seed_ptr, t0_ptr, h_ptr, s_ptr, par_ptr, vec_ptr,
+        x_ptr, e_ptr, g_ptr, key_ptr, u_ptr, h_ptr, s_ptr, par_ptr, vec_ptr,
         xo_ptr, eo_ptr, go_ptr, trace_ptr, rate_ptr, acc_ptr, div_ptr,
         n_chains, d, m, h_stride, s_stride, n_steps, first, thin, n_kept, j0,
         ENERGY: tl.constexpr, MALA: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         """``n_steps`` Langevin (or MALA) steps of BLOCK_C chains, positions in registers.
 
-        x, g, xo, go: ``(n_chains, d)``; e, eo, seed (int64, ``fnebm.random.triton_seed``):
-        ``(n_chains,)``; t0: the first step's index in the stream (int64, 0-dim); h, s: step
-        size and noise scale at ``c * stride``; par, vec: the energy's parameters (``_params``).
+        x, g, xo, go: ``(n_chains, d)``; e, eo: ``(n_chains,)``; key, u: ``(n_steps, n_chains)``
+        from :func:`step_keys_kernel` (the seed of step ``s``'s noise, MALA's uniform); h, s:
+        step size and noise scale at ``c * stride``; par, vec: the energy's parameters (``_params``).
         A chain's ``d`` elements are four lane tiles ``(BLOCK_C, BLOCK_M)``: element
         ``i = lane * m + b`` sits at block ``b`` of its lane, where Philox block ``b`` puts it.
         Step ``s`` is kept when ``s >= first``, ``(s - first) % thin == 0`` and
@@ -398,19 +425,11 @@ if HAS_TRITON:
         a3, b3, c3 = _lane_params(vec_ptr, par_ptr, d, i3, l3, ENERGY)
         h = tl.load(h_ptr + c * h_stride, mask=live_c, other=1.0)
         scale = tl.load(s_ptr + c * s_stride, mask=live_c, other=1.0) * tl.sqrt_rn(2.0 * h)
-        seed = tl.load(seed_ptr + c, mask=live_c, other=0)
-        t0 = tl.load(t0_ptr)
-        zero = tl.zeros((BLOCK_C, 1), dtype=tl.uint32)
         blocks = tl.broadcast_to(b, (BLOCK_C, BLOCK_M))
         trace_stride = n_chains.to(tl.int64) * d
 
         for s in range(n_steps):
-            key = _fold_in(seed, t0 + s, zero)
-            u_key = key
-            if MALA:  # fnebm.random.split(key): words 0-1 draw the noise, 2-3 the uniform
-                w0, w1, w2, w3 = tl.philox(key, zero, zero, zero + _SPLIT_TAG, zero)
-                key = _seed(w0, w1)
-                u_key = _seed(w2, w3)
+            key = tl.load(key_ptr + s * n_chains + c, mask=live_c, other=0)
             z0, z1, z2, z3 = tl.randn4x(tl.broadcast_to(key, (BLOCK_C, BLOCK_M)), blocks)
             p0 = tl.where(l0, x0 - h * g0 + scale * z0, 0.0)
             p1 = tl.where(l1, x1 - h * g1 + scale * z1, 0.0)
@@ -434,7 +453,7 @@ if HAS_TRITON:
                 log_alpha = e - en + quad / (4.0 * h)
                 ok = finite & (tl.abs(log_alpha) < _INF)
                 log_alpha = tl.where(ok, log_alpha, _NEG_INF)
-                u, _, _, _ = tl.rand4x(u_key, zero)
+                u = tl.load(u_ptr + s * n_chains + c, mask=live_c, other=0.5)
                 take = (tl.log(u) < log_alpha) & live_c
                 rate = tl.exp(tl.minimum(log_alpha, 0.0))
             else:  # fnebm.samplers.langevin: a non-finite move is dropped and reported
@@ -504,13 +523,27 @@ if HAS_TRITON:
             div = outputs[1].view(torch.int8)
             rate, acc = trace, div  # not read: MALA is off
         m, block_c, block_m, num_warps = _grid(n_chains, d)
-        torch.library.wrap_triton(langevin_chain_kernel)[(triton.cdiv(n_chains, block_c),)](
-            x, energy, grad, seeds, start, h, s, scalars.contiguous(), vectors.contiguous(),
-            x_out, e_out, g_out, trace, rate, acc, div,
-            n_chains, d, m, 0 if step_size.ndim == 0 else 1, 0 if noise_scale.ndim == 0 else 1,
-            n_total, first, thin, n_keep, j0,
-            ENERGY=family, MALA=mala, BLOCK_C=block_c, BLOCK_M=block_m, num_warps=num_warps,
-        )
+        scalars, vectors = scalars.contiguous(), vectors.contiguous()
+        # The steps run in pieces whose per-step keys (8 bytes a chain and step, MALA 12) fit in
+        # _KEYS_BYTES; a piece's final state is the next one's start (three small tensors).
+        piece = max(1, min(n_total, _KEYS_BYTES // (12 * n_chains)))
+        keys_buf = torch.empty((piece, n_chains), dtype=torch.int64, device=x.device)
+        u_buf = torch.empty((piece, n_chains), dtype=x.dtype, device=x.device) if mala else trace  # not read
+        for o in range(0, n_total, piece):
+            steps = min(piece, n_total - o)
+            torch.library.wrap_triton(step_keys_kernel)[(triton.cdiv(steps * n_chains, _KEYS_BLOCK),)](
+                seeds, start, keys_buf, u_buf, n_chains, steps, o, MALA=mala, BLOCK=_KEYS_BLOCK,
+            )
+            torch.library.wrap_triton(langevin_chain_kernel)[(triton.cdiv(n_chains, block_c),)](
+                x, energy, grad, keys_buf, u_buf, h, s, scalars, vectors,
+                x_out, e_out, g_out, trace, rate, acc, div,
+                n_chains, d, m, 0 if step_size.ndim == 0 else 1, 0 if noise_scale.ndim == 0 else 1,
+                steps, first - o, thin, n_keep, j0,
+                ENERGY=family, MALA=mala, BLOCK_C=block_c, BLOCK_M=block_m, num_warps=num_warps,
+            )
+            if o + piece < n_total:  # the next piece starts here (the outputs are fresh per piece)
+                x, energy, grad = x_out, e_out, g_out
+                x_out, e_out, g_out = torch.empty_like(x), torch.empty_like(energy), torch.empty_like(grad)
         return x_out, e_out, g_out
 
     def _whole_run(x, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, family, mala,
