@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--only", default="G1,G2")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--ncu", default=None)
+    p.add_argument("--cprofile", action="store_true", help="host time of a sample_chain call, by function")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu_probe.py: needs a CUDA device", file=sys.stderr)
@@ -108,6 +109,16 @@ def main() -> None:
         print(f"{name}: sample_chain(backend='triton') {events(call):.3f} ms, bare op {events(op):.3f} ms")
         print(f"{name}: profile of one sample_chain call")
         profile(call)
+        if a.cprofile:
+            import cProfile
+            import pstats
+
+            torch.cuda.synchronize()
+            with cProfile.Profile() as pr:
+                for _ in range(20):
+                    call()
+                torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         if a.sweep:
             sweep(w)
 

@@ -89,15 +89,21 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="save a checkpoint (a directory) at the end")
     p.add_argument("--resume", default=None, help="continue from this checkpoint directory")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: one GPU per local rank when there are enough, else the CPU")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = args.device == "cuda" or (args.device == "auto" and 0 < local_ranks <= gpus)
+    if use_cuda and local_ranks > gpus:
+        p.error(f"--device cuda needs a GPU per local rank: {local_ranks} ranks on this machine, {gpus} GPU(s)")
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():  # launched by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
-        if torch.cuda.is_available():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+        if use_cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
     if args.style != "functional" and not dist.is_initialized():
         store = os.path.join(tempfile.mkdtemp(), "store")  # DDP and fully_shard need a group, even of one
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

@@ -129,6 +129,23 @@ def test_bad_arguments_raise(kwargs, exc, match, mala_alg, mala_state):
         fnebm.sample_chain(args.pop("step"), args.pop("state"), args.pop("key"), args.pop("n_steps"), **args)
 
 
+@pytest.mark.parametrize("each", [True, False], ids=["each check", "one sync"])
+def test_bad_values_raise_with_one_sync_or_many(monkeypatch, each, mala_alg, mala_state):
+    """Off the CPU the key-range and finiteness checks are read back in one device sync; both
+    ways name the same problem (the one-sync branch is forced here on the CPU)."""
+    import fnebm.chain.sample as sample_mod
+
+    if not each:
+        monkeypatch.setattr(sample_mod, "_CHECK_EACH_ON", ())
+    run = lambda state, key: fnebm.sample_chain(mala_alg.step, state, key, 2, progress=False)  # noqa: E731
+    with pytest.raises(ValueError, match=r"key has words outside \[0, 2\*\*32\)"):
+        run(mala_state, torch.tensor([-5, 2**40]))
+    bad = mala_state._replace(grad=mala_state.grad.clone().index_fill_(0, torch.tensor([7]), float("nan")))
+    with pytest.raises(ValueError, match=r"state\.grad has non-finite values"):
+        run(bad, fr.key(0))
+    assert run(mala_state, fr.key(0))[1].shape[0] == 2
+
+
 def test_chunks_never_leave_a_lone_step():
     from fnebm.chain.schedule import chunks as _chunks
 
