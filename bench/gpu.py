@@ -104,9 +104,13 @@ def measured_write_gbps(nbytes: int, repeats: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def bench(name: str, w: dict, repeats: int, peak: float) -> dict:
-    impls = {"fnebm kernels": fnebm_run(w, "triton"), "fnebm compiled": fnebm_run(w, "compiled")}
+def bench(name: str, w: dict, repeats: int, peak: float, which=("compiled", "torchebm")) -> dict:
+    impls = {"fnebm kernels": fnebm_run(w, "triton")}
+    if "compiled" in which:
+        impls["fnebm compiled"] = fnebm_run(w, "compiled")
     try:
+        if "torchebm" not in which:
+            raise ImportError(name="torchebm (not asked for)")
         label = "TorchEBM 0.8 eager" + (" (unadjusted Langevin: no MALA in TorchEBM)" if w["sampler"] == "mala" else "")
         impls[label] = torchebm_run(w)
     except ImportError as e:
@@ -185,6 +189,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak HBM bandwidth, GB/s")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--skip", default="", help="comma-separated rows to leave out: compiled, torchebm")
     p.add_argument("--compile-only", action="store_true", help="compile the kernels for sm_90a and report registers")
     args = p.parse_args(argv)
     if args.compile_only:
@@ -205,7 +210,8 @@ def main(argv=None) -> None:
         _fail(f"peak HBM bandwidth of {name!r} unknown: pass --peak-gbps")
     results = []
     for n in names:
-        r = bench(n, WORKLOADS[n], args.repeats, peak)
+        r = bench(n, WORKLOADS[n], args.repeats, peak,
+                  tuple(x for x in ("compiled", "torchebm") if x not in args.skip.split(",")))
         results.append(r)
         print(f"{n} on {r['device']} (peak {peak:.0f} GB/s; a fill of the trajectory's size wrote at "
               f"{r['fill_gbps']:.0f} GB/s), load average {r['loadavg']}")

@@ -500,11 +500,15 @@ if HAS_TRITON:
         return trace, flag()
 
     def _launch(x, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, family: int, mala: bool,
-                n_total: int, first: int, thin: int, n_keep: int, j0: int, outputs) -> tuple[Tensor, Tensor, Tensor]:
+                n_total: int, first: int, thin: int, n_keep: int, j0: int, outputs,
+                direct: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """One launch: ``n_total`` steps from stream index ``start``; step ``s`` is kept when
         ``s >= first``, ``(s - first) % thin == 0`` and ``(s - first) // thin < n_keep``, as draw
         ``j0 + (s - first) // thin`` of ``outputs = (trace, *info)`` (contiguous, draws leading).
-        Returns the final ``(position, energy, grad)``. Torch ops and one ``wrap_triton`` launch."""
+        Returns the final ``(position, energy, grad)``. Torch ops and ``wrap_triton`` launches;
+        ``direct`` launches the kernels themselves (eager callers outside any trace: on an H100
+        the eager dispatch of ``wrap_triton``'s operator cost about 0.3 ms of host time a launch)."""
+        wrap = (lambda k: k) if direct and not torch.compiler.is_compiling() else torch.library.wrap_triton
         d = x.shape[-1]
         n_chains = math.prod(keys.shape[:-1])
         x, grad, energy = x.contiguous(), grad.contiguous(), energy.contiguous()
@@ -531,10 +535,10 @@ if HAS_TRITON:
         u_buf = torch.empty((piece, n_chains), dtype=x.dtype, device=x.device) if mala else trace  # not read
         for o in range(0, n_total, piece):
             steps = min(piece, n_total - o)
-            torch.library.wrap_triton(step_keys_kernel)[(triton.cdiv(steps * n_chains, _KEYS_BLOCK),)](
+            wrap(step_keys_kernel)[(triton.cdiv(steps * n_chains, _KEYS_BLOCK),)](
                 seeds, start, keys_buf, u_buf, n_chains, steps, o, MALA=mala, BLOCK=_KEYS_BLOCK,
             )
-            torch.library.wrap_triton(langevin_chain_kernel)[(triton.cdiv(n_chains, block_c),)](
+            wrap(langevin_chain_kernel)[(triton.cdiv(n_chains, block_c),)](
                 x, energy, grad, keys_buf, u_buf, h, s, scalars, vectors,
                 x_out, e_out, g_out, trace, rate, acc, div,
                 n_chains, d, m, 0 if step_size.ndim == 0 else 1, 0 if noise_scale.ndim == 0 else 1,
@@ -650,4 +654,4 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     if mala:
         noise_scale = torch.ones((), dtype=position.dtype, device=position.device)
     return _launch(position, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, family, mala,
-                   n_total, first, thin, n_keep, j0, outputs)
+                   n_total, first, thin, n_keep, j0, outputs, direct=True)
