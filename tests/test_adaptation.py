@@ -254,7 +254,9 @@ def test_hmc_with_the_defaults_and_no_adaptation_fails_the_moment_check(hmc_adap
 def test_hmc_with_the_step_size_alone_adapted_mixes_far_worse(hmc_adapted):
     x0, _, adapted, _ = hmc_adapted
     # below 20 iterations the schedule adapts the step size only: the identity metric stays
-    result = window_adaptation(fnebm.hmc, TARGET, 19).run(x0, fr.key(4), compile=False)
+    plans = []
+    result = window_adaptation(fnebm.hmc, TARGET, 19).run(x0, fr.key(4), compile=False, on_plan=plans.append)
+    assert [(p.compiled, p.steps) for p in plans] == [(False, 19)]  # told once, before the warm-up
     assert torch.equal(result.parameters["inverse_mass_matrix"].inverse_mass_matrix, torch.ones(D, dtype=F64))
     alg = fnebm.hmc(TARGET, **result.parameters)
     _, trace, _ = fnebm.sample_chain(alg.step, result.state, fr.key(5), 100, compile=False, progress=False)

@@ -381,8 +381,11 @@ def window_adaptation(
 
     Returns:
         :class:`WindowAdaptation`; ``run(position_or_state, key, *, compile=True, cache=None,
-        progress=False) -> AdaptationResults(state, parameters, info)``. ``position_or_state``:
-        positions ``(*chains, d)`` or a sampler state of the algorithm; ``key``: one key ``(2,)``.
+        progress=False, on_plan=None) -> AdaptationResults(state, parameters, info)``.
+        ``position_or_state``: positions ``(*chains, d)`` or a sampler state of the algorithm;
+        ``key``: one key ``(2,)``. ``compile`` (``True``, ``False`` or ``"auto"``) and
+        ``on_plan`` (told before the warm-up whether it compiles, and why) are
+        :func:`fnebm.sample_chain`'s.
         ``parameters`` has ``step_size`` (the averaged dual-averaging iterate: 0-dim pooled, or
         ``chains``), ``inverse_mass_matrix`` (a :class:`~fnebm.integrators.metrics.Diagonal` or
         :class:`~fnebm.integrators.metrics.Dense`, shared or per chain) and the ``extra``
@@ -469,8 +472,8 @@ def window_adaptation(
                       **_extra_for(dict(extra), steps_rule, d)}
         return adapt.state, parameters
 
-    def run(position_or_state: Any, key: Tensor, *, compile: bool = True, cache: Any = None,
-            progress: bool = False) -> AdaptationResults:
+    def run(position_or_state: Any, key: Tensor, *, compile: bool | str = True, cache: Any = None,
+            progress: bool = False, on_plan: Any = None) -> AdaptationResults:
         # fnebm.chain sits above fnebm.adaptation (it runs any step): import it where it is used
         from fnebm.chain.sample import sample_chain
 
@@ -482,7 +485,7 @@ def window_adaptation(
         # the whole ensemble is one "chain" of sample_chain (chain_ndim=0): pooled fields have no
         # chain axis, and the step splits its key over the chains
         chain, _, info = sample_chain(step, adapt, key, num_steps, chain_ndim=0, collect=_schedule_index,
-                                      compile=compile, cache=cache, progress=progress)
+                                      compile=compile, cache=cache, progress=progress, on_plan=on_plan)
         state, parameters = final(chain.state)
         return AdaptationResults(state, parameters, info)
 
