@@ -75,17 +75,22 @@ def _unrows(values: Tensor, trace: Tensor) -> Tensor:
     return values.reshape(trace.shape[2:]).to(trace.dtype)
 
 
-def _per_element(trace: Tensor, stat: Callable[[Tensor], Tensor]) -> Tensor:
+def _per_element(trace: Tensor, stat: Callable[[Tensor], Any], outputs: int | None = None) -> Any:
     """Apply ``stat: (D, C, N) -> (D,)`` to every event element of a validated
-    ``(draws, chains, *event)`` trace, reshape back."""
+    ``(draws, chains, *event)`` trace, reshape back. With ``outputs=k``, ``stat`` returns a
+    tuple of ``k`` such tensors (statistics that share work) and so does this."""
     x = _rows(trace)
     if x.shape[0] == 0:  # empty event: nothing to compute (and FFT rejects empty input)
-        return trace.new_empty(trace.shape[2:])
+        empty = trace.new_empty(trace.shape[2:])
+        return empty if outputs is None else tuple(empty.clone() for _ in range(outputs))
     # ArviZ returns NaN for a variable with any NaN draw (its `_not_valid` check).
     nan = x.isnan().flatten(1).any(-1)
     rows = max(1, _BLOCK_DRAWS // (x.shape[1] * x.shape[2]))
-    out = torch.cat([stat(block) for block in x.split(rows)])
-    return _unrows(torch.where(nan, torch.nan, out), trace)
+    blocks = [stat(block) for block in x.split(rows)]
+    if outputs is None:
+        return _unrows(torch.where(nan, torch.nan, torch.cat(blocks)), trace)
+    return tuple(_unrows(torch.where(nan, torch.nan, torch.cat([b[i] for b in blocks])), trace)
+                 for i in range(outputs))
 
 
 def _split_chains(x: Tensor) -> Tensor:
@@ -211,13 +216,32 @@ def _ess_bulk_rows(x: Tensor) -> Tensor:
     return _ess_rows(_z_scale(_split_chains(x))[0])
 
 
-def _ess_tail_rows(x: Tensor) -> Tensor:
-    s = x.flatten(1).sort(dim=-1).values
+def _ess_tail_rows(x: Tensor, s: Tensor | None = None) -> Tensor:
+    """``s``: the sorted rows of ``x.flatten(1)``, when a caller has them."""
+    if s is None:
+        s = x.flatten(1).sort(dim=-1).values
     low, high = (
         _ess_rows(_split_chains((x <= _quantile(s, p)[:, None, None]).to(_F64)))
         for p in (0.05, 0.95)
     )
     return torch.where(high < low, high, low)  # Python min(low, high), as ArviZ
+
+
+def _rank_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rhat, ess_bulk, ess_tail)`` of ``x: (D, C, N)``, as the three functions above give
+    them, with two sorts instead of four: the rank-normalised split chains serve R̂ and the
+    bulk ESS, and with an even ``N`` their sorted values are the draws' (the split keeps every
+    draw), which the tail ESS's quantiles need."""
+    split = _split_chains(x)
+    z, s = _z_scale(split)
+    if x.shape[1] < 2:  # ArviZ requires 2 chains before splitting
+        rhat = torch.full_like(x[:, 0, 0], torch.nan)
+    else:
+        bulk = _rhat_rows(z)
+        tail = _rhat_rows(_z_scale((split - _median(s)[:, None, None]).abs())[0])
+        rhat = torch.where(tail > bulk, tail, bulk)  # Python max(bulk, tail): NaN bulk wins
+    ess_tail = _ess_tail_rows(x, s if x.shape[-1] % 2 == 0 else None)
+    return rhat, _ess_rows(z), ess_tail
 
 
 # ----------------------------------------------------------------------------- layout
@@ -503,10 +527,7 @@ def _stats(trace: Tensor) -> dict[str, Tensor]:
         "std": _per_element(trace, lambda x: x.flatten(1).std(-1, correction=1)),
         "mcse_mean": _per_element(trace, _mcse_mean_rows),
         "mcse_sd": _per_element(trace, _mcse_sd_rows),
-        "rhat": _per_element(trace, _rhat_rank_rows),
-        "ess_bulk": _per_element(trace, _ess_bulk_rows),
-        "ess_tail": _per_element(trace, _ess_tail_rows),
-    }
+    } | dict(zip(("rhat", "ess_bulk", "ess_tail"), _per_element(trace, _rank_rows, outputs=3)))
 
 
 def summary(trace: Tensor, info: Any = None, *, layout: str | None = None) -> dict[str, Any]:

@@ -762,3 +762,22 @@ def test_real_hmc_run_reports_integration_steps():
     assert {"n_steps", "diverging", "energy_error", "acceptance_rate"} <= set(d["sample_stats"])
     assert d["sample_stats"]["n_steps"].shape == (4, 40) and d["posterior"]["x"].shape == (4, 40, 2)
     assert "mean integration steps: 5.000" in str(dg.summary_table(trace, info))
+
+
+@pytest.mark.parametrize("draws, chains, event", [(40, 4, (2,)), (41, 3, (3,)), (9, 1, ()), (12, 2, (2, 0))])
+def test_summary_shares_sorts_and_equals_the_single_diagnostics(draws, chains, event):
+    """summary computes R̂, bulk and tail ESS together with two sorts (the split chains' ranks
+    serve R̂ and the bulk ESS; with an even number of draws their sorted values serve the tail
+    ESS's quantiles): bit-identical to rhat, ess_bulk and ess_tail called alone, odd draws, a
+    single chain (R̂ NaN) and a NaN draw included."""
+    gen = torch.Generator().manual_seed(draws)  # a test's own generator, fixed seed
+    trace = torch.randn((draws, chains) + event, generator=gen, dtype=torch.float64).cumsum(0) * 0.1
+    with_nan = trace.clone()
+    if with_nan.numel():
+        with_nan.view(-1)[3] = float("nan")
+    for t in (trace, with_nan):
+        s = dg.summary(t)
+        for name in ("rhat", "ess_bulk", "ess_tail"):
+            alone = getattr(dg, name)(t)
+            assert s[name].shape == alone.shape
+            assert torch.equal(s[name].nan_to_num(-1.0), alone.nan_to_num(-1.0)), name
