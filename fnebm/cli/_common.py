@@ -1,14 +1,18 @@
 """What every ``fnebm`` subcommand shares: its errors (one line on stderr), device and
-output-path checks, and atomic writes of the files it produces."""
+output-path checks, atomic writes of the files it produces, and running under ``torchrun``
+(the process group, each rank's device, errors reported once by rank 0)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
@@ -28,7 +32,13 @@ class RunError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage over several lines and exit
+        if launched_rank() != 0:  # every rank parses the same argv: rank 0 says it
+            quiet_exit(2, message)
         raise UsageError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:  # --help, --version: rank 0 only
+        if launched_rank() == 0:
+            super()._print_message(message, file)
 
 
 def _one_line(message: Any) -> str:
@@ -37,6 +47,8 @@ def _one_line(message: Any) -> str:
 
 
 def _device(name: str | None) -> torch.device:
+    if launched():
+        return _launched_device(name)
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -239,3 +251,159 @@ def write_outputs(outputs: list[tuple[str, str, str, Callable[[BinaryIO], None]]
         raise RunError(f"cannot write {e.filename or 'output'}: {e.strerror or e}") from None
     for label, shown, _, _ in outputs:
         print(f"{label:<12} {shown}")
+
+
+# ----------------------------------------------------------------------------- torchrun
+#
+# Under torchrun every rank runs the whole command with the same arguments. The command starts the
+# process group (gloo on the CPU, NCCL with one GPU per rank), checks its arguments on every rank and
+# agrees on the outcome, so a bad argument is one line from rank 0 and exit status 2 on every rank.
+
+GROUP_TIMEOUT_S = 900  # a collective waits this long for a peer (compiles on a loaded machine are slow)
+QUIET_WAIT_S = 60      # a rank other than 0 that stops on an error waits this long for rank 0 to report it
+
+
+def launched() -> bool:
+    """Whether a ``torch.distributed`` launcher (torchrun) started this process: ``RANK`` and
+    ``WORLD_SIZE`` are set."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def launched_rank() -> int:
+    """This process's global rank: from the process group if one is running, else from torchrun's
+    ``RANK`` (0 when not launched)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0) if launched() else 0
+
+
+def quiet_exit(code: int, message: Any = None) -> None:
+    """Stop a rank other than 0 without a word, since rank 0 reports the same error.
+
+    It first waits (up to :data:`QUIET_WAIT_S`): torchrun stops the other ranks as soon as one
+    exits, so a rank that exited at once could stop rank 0 before rank 0 had printed. Had rank 0
+    not stopped the run by then (an error this rank alone met), it prints ``message`` itself."""
+    time.sleep(QUIET_WAIT_S)
+    if message is not None:
+        print(f"{PROG}: error: rank {launched_rank()}: {_one_line(message)}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _launched_device(name: str | None) -> torch.device:
+    """Under torchrun: each rank's device. ``None``: GPU ``LOCAL_RANK`` when this machine has a GPU
+    for every local rank, else the CPU. ``cuda``: GPU ``LOCAL_RANK`` (refused without a GPU per local
+    rank). ``cuda:N`` only with one rank per machine (two ranks cannot share a GPU under NCCL)."""
+    local_rank, local_ranks = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name is None:
+        return torch.device("cuda", local_rank) if 0 < local_ranks <= gpus else torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise UsageError(f"--device {name}: under torchrun, use cpu or cuda (each rank takes GPU LOCAL_RANK)")
+    if gpus == 0:
+        raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if dev.index is None:
+        if local_ranks > gpus:
+            raise UsageError(f"--device cuda needs a GPU per local rank: {local_ranks} ranks on this machine, "
+                             f"{gpus} GPU(s) (use --device cpu, or fewer --nproc-per-node)")
+        return torch.device("cuda", local_rank)
+    if local_ranks > 1:
+        raise UsageError(f"--device {name} names one GPU, but {local_ranks} ranks run on this machine: use "
+                         "--device cuda (each rank takes GPU LOCAL_RANK)")
+    if dev.index >= gpus:
+        raise UsageError(f"--device {name}: only {gpus} CUDA device(s) here")
+    return dev
+
+
+class Launch(NamedTuple):
+    """Where this process runs: its device, its rank among ``world_size`` processes, and the process
+    group's backend (``None`` without a group)."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    owned: bool = False  # this command started the group (and ends it)
+
+
+def launch(device: str | None) -> Launch:
+    """This process's :class:`Launch`; under torchrun, starts the process group first (gloo on the
+    CPU, NCCL on GPUs). A group the caller already started is used as it is."""
+    import torch.distributed as dist
+
+    running = dist.is_available() and dist.is_initialized()
+    if not launched() and not running:
+        return Launch(_device(device))
+    dev = _device(device)
+    if running:
+        return Launch(dev, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    return Launch(dev, dist.get_rank(), dist.get_world_size(), backend, owned=True)
+
+
+def run_launched(device: str | None, body: Callable[[Launch], int]) -> int:
+    """``body(launch(device))``, then the group it started is ended. A bad argument (or a failed
+    write) on a rank other than 0 ends that rank quietly (:func:`quiet_exit`): rank 0 reports it."""
+    import torch.distributed as dist
+
+    try:
+        where = launch(device)
+    except UsageError as e:
+        if launched_rank() != 0:  # every rank checks the same --device: rank 0 says it
+            quiet_exit(2, e)
+        raise
+    try:
+        return body(where)
+    except (UsageError, RunError) as e:
+        if where.rank == 0:
+            raise
+        if where.owned:
+            dist.destroy_process_group()
+            where = where._replace(owned=False)
+        quiet_exit(2 if isinstance(e, UsageError) else 1, e)
+        raise  # unreachable: quiet_exit raises SystemExit
+    finally:
+        if where.owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def agree(where: Launch, check: Callable[[], Any]) -> Any:
+    """``check()`` on every rank, which then agree on the outcome: if it raised :class:`UsageError`
+    on any rank, rank 0 prints that error (the lowest failing rank's, named when it is not rank 0)
+    as one line, and every rank exits with status 2. Otherwise ``check()``'s result. One process:
+    ``check()``."""
+    if where.world_size == 1:
+        return check()
+    import torch.distributed as dist
+
+    try:
+        result, error = check(), None
+    except UsageError as e:
+        result, error = None, _one_line(e)
+    errors: list[Any] = [None] * where.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return result
+    r, error = failed[0]
+    if where.rank == 0:
+        print(f"{PROG}: error: {error if r == 0 else f'rank {r}: {error}'}", file=sys.stderr, flush=True)
+    dist.barrier()  # the other ranks exit once rank 0 has printed
+    raise SystemExit(2)

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from statistics import NormalDist
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import fnebm
 from fnebm import diagnostics
+from fnebm import distributed as fdist
 from fnebm import random as fr
-from fnebm.cli._common import (UsageError, _destination, _device, _float_or_none, _fmt, _sync,
+from fnebm.cli._common import (Launch, UsageError, _destination, _device, _float_or_none, _fmt, _sync, agree,
                                available_memory, compile_cache_dir, compile_times, format_bytes,
-                               record_compile_time, write_outputs)
+                               record_compile_time, run_launched, write_outputs)
 from fnebm.cli.presets import (ADAPTIVE, DEFAULT_ENERGY, DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, Truth, _algorithm,
                                _build, _collect, _extra, default_step_size, default_steps, truth_of)
 
@@ -103,10 +106,18 @@ class Config(NamedTuple):
     progress: bool
     compile: bool | str
     profile: bool = False
+    world_size: int = 1  # processes (torchrun): each runs its block of the chains, fnebm.distributed's layout
+    rank: int = 0
 
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _local_chains(cfg: Config) -> int:
+    """The chains this rank runs (all of them in one process)."""
+    return cfg.chains if cfg.world_size == 1 else fdist.chain_counts(cfg.chains, cfg.world_size)[cfg.rank]
+
+
+def _config(args: argparse.Namespace, where: Launch | None = None) -> Config:
+    """The checked arguments; ``where``: this rank under torchrun (default: one process)."""
     if args.energy not in ENERGIES:
         raise UsageError(f"unknown energy {args.energy!r} (choose from {', '.join(ENERGIES)})")
     if args.sampler not in SAMPLERS:
@@ -131,6 +142,12 @@ def _config(args: argparse.Namespace) -> Config:
         raise UsageError(f"--burn-in must be >= 0, got {burn_in}")
     if thin > steps:
         raise UsageError(f"--thin must be <= --steps to keep any draw, got --thin {thin} --steps {steps}")
+    world, rank = (1, 0) if where is None else (where.world_size, where.rank)
+    if args.chains < world:
+        raise UsageError(f"--chains {args.chains} must be at least the number of processes ({world}): every rank "
+                         "runs a block of the chains")
+    if args.profile and world > 1:
+        raise UsageError("--profile times one process: run it without torchrun")
     if args.step_size is not None:
         step_size = args.step_size
     elif adapt:  # the adaptation's starting point: the rule of thumb d^(-1/4)
@@ -143,16 +160,18 @@ def _config(args: argparse.Namespace) -> Config:
         fr.key(args.seed)
     except (TypeError, ValueError) as e:
         raise UsageError(f"--seed: {e}") from None
-    device = _device(args.device)
-    out = None if args.out is None else _destination("--out", args.out)
-    plot = None if args.plot is None else _destination("--plot", args.plot)
+    device = _device(args.device) if where is None else where.device
+    # only rank 0 writes files (the draws gathered from every rank): only its paths are checked
+    out = None if args.out is None or rank != 0 else _destination("--out", args.out)
+    plot = None if args.plot is None or rank != 0 else _destination("--plot", args.plot)
     if out is not None and out == plot:
         raise UsageError(f"--out and --plot name the same file {args.out}")
     cfg = Config(
         energy=args.energy, sampler=args.sampler, dim=args.dim, chains=args.chains, steps=steps,
         adapt=adapt, burn_in=burn_in, thin=thin, step_size=float(step_size), seed=args.seed, dtype=args.dtype,
         device=str(device), out=out, plot=plot,
-        progress=not args.no_progress and sys.stderr.isatty(), compile=args.compile, profile=args.profile,
+        progress=not args.no_progress and sys.stderr.isatty() and rank == 0, compile=args.compile,
+        profile=args.profile, world_size=world, rank=rank,
     )
     _check_memory(cfg)
     return cfg
@@ -166,11 +185,12 @@ def memory_estimate(cfg: Config) -> tuple[int, int, str]:
     their sorting working set."""
     item = DTYPES[cfg.dtype].itemsize
     n_kept = cfg.steps // cfg.thin
-    draws = n_kept * cfg.chains
+    chains = _local_chains(cfg)  # under torchrun: this rank's (see _check_memory for the rest)
+    draws = n_kept * chains
     info = {"langevin": 1, "mala": item + 2, "hmc": 40, "nuts": 56}[cfg.sampler]
     trace = draws * ((cfg.dim + 1) * item + info)
     chunk = trace // 10  # a compiled chunk's output (1/20 of the run) before it is copied
-    state = cfg.chains * (24 * cfg.dim * item + 128)  # position, gradient, proposal, noise, keys, ...
+    state = chains * (24 * cfg.dim * item + 128)  # position, gradient, proposal, noise, keys, ...
     spec = ENERGIES[cfg.energy]
     params = spec.param_bytes(cfg.dim) if spec.param_bytes is not None else 0
     diag = draws * cfg.dim * 8 + 8 * draws * 8  # float64 trace; sort values, order, ranks of one coordinate
@@ -178,7 +198,7 @@ def memory_estimate(cfg: Config) -> tuple[int, int, str]:
     host = 0
     if cfg.device != "cpu" and (cfg.out is not None or cfg.plot is not None):
         host = draws * (cfg.dim + 1) * item  # the trace copied to the host to save or plot it
-    what = (f"the trace alone is {cfg.chains} chains x {n_kept} draws x {cfg.dim + 1} values x {item} bytes"
+    what = (f"the trace alone is {chains} chains x {n_kept} draws x {cfg.dim + 1} values x {item} bytes"
             f" = {format_bytes(draws * (cfg.dim + 1) * item)}")
     return device_bytes, host, what
 
@@ -187,6 +207,12 @@ def _check_memory(cfg: Config) -> None:
     """Refuse, before anything is allocated, a run that cannot fit."""
     need, host, what = memory_estimate(cfg)
     device = torch.device(cfg.device)
+    if cfg.world_size > 1:
+        if device.type == "cpu":  # the ranks on this machine share its memory
+            need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if cfg.out is not None or cfg.plot is not None:  # rank 0 gathers every rank's trace to write it
+            host += cfg.steps // cfg.thin * cfg.chains * (cfg.dim + 1) * DTYPES[cfg.dtype].itemsize
+            what += "; rank 0 gathers every rank's trace to write it"
     places = [(device, need + (host if device.type == "cpu" else 0))]
     if device.type != "cpu" and host:
         places.append((torch.device("cpu"), host))
@@ -229,20 +255,24 @@ def _ramp(burn_in: int, adapted: bool, energy: str | None = None) -> list[tuple[
 
 
 def _tty() -> bool:
-    return sys.stderr.isatty()
+    return sys.stderr.isatty() and fdist.rank() == 0  # under torchrun, rank 0 speaks for every rank
 
 
 def _graph_name(cfg: Config) -> str:
-    return f"{cfg.sampler} {cfg.energy} dim={cfg.dim} chains={cfg.chains} {cfg.dtype} {torch.device(cfg.device).type}"
+    return (f"{cfg.sampler} {cfg.energy} dim={cfg.dim} chains={_local_chains(cfg)} {cfg.dtype} "
+            f"{torch.device(cfg.device).type}")
 
 
-def compile_notice(cfg: Config) -> str:
-    """The line shown before a compile: what, about how long on this machine, and that it is cached."""
-    what = (f"compiling {cfg.sampler} on {cfg.energy} (dim {cfg.dim}, {cfg.chains} chains, {cfg.dtype}, "
-            f"{torch.device(cfg.device).type}) with torch.compile")
+def compile_notice(cfg: Config, warmup: bool = False) -> str:
+    """The line shown before a compile: what, about how long on this machine, and that it is cached.
+    ``warmup``: the window adaptation's graph (all chains, on every rank), not the sampler's."""
+    chains = (f"{cfg.chains} chains" if warmup or cfg.world_size == 1
+              else f"{_local_chains(cfg)} chains on rank {cfg.rank} of {cfg.world_size}")
+    what = (f"compiling {'the window adaptation of ' if warmup else ''}{cfg.sampler} on {cfg.energy} "
+            f"(dim {cfg.dim}, {chains}, {cfg.dtype}, {torch.device(cfg.device).type}) with torch.compile")
     times = compile_times()
     kind = torch.device(cfg.device).type
-    mine = times.get(_graph_name(cfg))
+    mine = None if warmup else times.get(_graph_name(cfg))  # warm-up compiles are not timed apart
     others = sorted(v["first"] for k, v in times.items() if k.endswith(f" {kind}"))
     where = compile_cache_dir() or "Inductor's cache directory"
     if mine is not None:
@@ -361,8 +391,32 @@ class _Calls:
         return plan.compiled, why
 
 
+def _warmup_notice(cfg: Config) -> Any:
+    """``on_plan`` of the warm-up: the compile notice before its graph compiles, as for sampling."""
+    def on_plan(plan: Any) -> None:
+        if plan.compiles and _tty():
+            print(f"fnebm: {compile_notice(cfg, warmup=True)}", file=sys.stderr, flush=True)
+    return on_plan
+
+
+def _slowest(*seconds: float | None) -> list[float | None]:
+    """Each of ``seconds`` as its largest value over the ranks (``None`` stays ``None``)."""
+    values = torch.tensor([-1.0 if s is None else s for s in seconds], dtype=torch.float64,
+                          device=_group_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [None if s is None else float(v) for s, v in zip(seconds, values.tolist())]
+
+
+def _group_device() -> torch.device:
+    """Where the process group's collectives take their tensors: the rank's GPU under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
-    """Sample; returns ``(summary, positions: (draws, chains, dim), energies: (draws, chains), energy)``."""
+    """Sample; returns ``(summary, positions: (draws, chains, dim), energies: (draws, chains), energy)``.
+    Under torchrun ``positions`` and ``energies`` hold this rank's chains; the summary is of all of them."""
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     try:
         target, alg = _build(cfg.energy, cfg.sampler, cfg.step_size, cfg.dim, dtype, cfg.device)
@@ -370,7 +424,9 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         raise UsageError(e) from None
     init_key, run_key = fr.split(fr.key(cfg.seed, device=device))
     x0 = fr.normal(init_key, (cfg.chains, cfg.dim), dtype)
-    state = torch.func.vmap(alg.init)(x0)
+    sharded = cfg.world_size > 1  # under torchrun: this rank's block of the chains (fnebm.distributed)
+    # the warm-up pools every chain, so it starts from all of them (on every rank alike)
+    state = torch.func.vmap(alg.init)(fdist.shard(x0) if sharded and not cfg.adapt else x0)
 
     adapted, adapt_s = None, None
     if cfg.adapt:
@@ -378,7 +434,10 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         t0 = time.perf_counter()
         warmup = fnebm.window_adaptation(SAMPLERS[cfg.sampler], target, cfg.adapt,
                                          initial_step_size=cfg.step_size, **_extra(cfg.sampler, cfg.dim))
-        state, parameters, _ = warmup.run(state, adapt_key, compile=cfg.compile, progress=cfg.progress)
+        state, parameters, _ = warmup.run(state, adapt_key, compile=cfg.compile, progress=cfg.progress,
+                                          on_plan=_warmup_notice(cfg))
+        if sharded:
+            state = fdist.shard(state)
         _sync(device)
         adapt_s = time.perf_counter() - t0
         alg = _algorithm(target, cfg.sampler, cfg.step_size, cfg.dim, parameters)
@@ -390,7 +449,7 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     ramp = _ramp(cfg.burn_in, bool(cfg.adapt), cfg.energy)
     rest = cfg.burn_in - sum(n for _, n in ramp)
     calls = _Calls(cfg, cfg.burn_in + cfg.steps)
-    chain, key = state, run_key
+    chain, key = state, fdist.local_keys(run_key, cfg.chains) if sharded else run_key
     t0 = time.perf_counter()
     try:
         for fraction, n in ramp:  # each is one short call: the graph is shared (parameters are data)
@@ -409,13 +468,18 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         calls.close()
     wall = time.perf_counter() - t0
     compile_s = calls.compile_s()
-    if compile_s is not None:
+    if compile_s is not None and cfg.rank == 0:
         record_compile_time(_graph_name(cfg), compile_s)
     compiled, why = calls.path(len(ramp))
     sampling_s = calls.stepping_s()
+    if sharded:  # the run took as long as its slowest rank
+        compile_s, sampling_s, wall, adapt_s = _slowest(compile_s, sampling_s, wall, adapt_s)
     summary = _summary(cfg, target, positions, energies, info, compile_s, sampling_s)
     summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted, compiled=compiled, path=why,
                    ramp=[[f, n] for f, n in ramp], setup_s=max(0.0, wall - sampling_s - (compile_s or 0.0)))
+    if sharded:
+        summary["processes"] = dict(world_size=cfg.world_size, backend=dist.get_backend(),
+                                    chain_counts=fdist.chain_counts(cfg.chains, cfg.world_size))
     if cfg.profile:  # the sampled algorithm from the same start (after adaptation), measured apart
         profile = fnebm.profile_sampling(alg, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin,
                                          collect=_collect, compile=cfg.compile is not False)
@@ -427,11 +491,19 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
 # ---------------------------------------------------------------------------- analysis
 
 
-def _robust_centre(positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-coordinate median and interquartile range (float64) of up to ~1M finite draws."""
+def _robust_centre(positions: Tensor, chains: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-coordinate median and interquartile range (float64) of up to ~1M finite draws.
+
+    Under torchrun ``positions`` is this rank's chains of ``chains`` in all: every rank takes the
+    same stride through its draws and the subsamples are gathered (with a stride of 1, below ~1M
+    draws in all, the very draws one process takes)."""
     flat = positions.reshape(-1, positions.shape[-1])
     rows = max(1, min(2**20, 2**24 // max(1, flat.shape[1])))
-    sample = flat[:: max(1, -(-flat.shape[0] // rows))].double()
+    if fdist.is_distributed():
+        total = positions.shape[0] * (positions.shape[1] if chains is None else chains)
+        sample = fdist.gather_chains(flat[:: max(1, -(-total // rows))].double(), dim=0)
+    else:
+        sample = flat[:: max(1, -(-flat.shape[0] // rows))].double()
     sample = sample[torch.isfinite(sample).all(-1)]
     if sample.shape[0] == 0:
         zero = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
@@ -441,18 +513,20 @@ def _robust_centre(positions: Tensor) -> tuple[Tensor, Tensor]:
     return q[1], torch.where(iqr > 0, iqr, 1e-12 * (1 + q[1].abs()))
 
 
-def flag_chains(positions: Tensor) -> dict[str, Tensor]:
+def flag_chains(positions: Tensor, *, chains: int | None = None) -> dict[str, Tensor]:
     """Chains that ran away or froze, as boolean masks over chains (CPU).
 
     runaway: a kept draw is not finite, or lies more than ``RUNAWAY_IQRS`` interquartile ranges
     (of all draws, per coordinate) from the median; frozen: not a runaway, and every kept draw
     equals the first (needs ``FROZEN_MIN_DRAWS`` kept draws); max_abs: each chain's largest |x|.
+    Under torchrun ``positions`` is this rank's block of ``chains`` chains, and the masks cover
+    all of them (gathered, in global chain order).
     """
-    n, chains, _ = positions.shape
-    centre, iqr = _robust_centre(positions)
-    far = torch.zeros(chains, dtype=torch.float64, device=positions.device)
-    moved = torch.zeros(chains, dtype=torch.bool, device=positions.device)
-    max_abs = torch.zeros(chains, dtype=torch.float64, device=positions.device)
+    n, local, _ = positions.shape
+    centre, iqr = _robust_centre(positions, chains)
+    far = torch.zeros(local, dtype=torch.float64, device=positions.device)
+    moved = torch.zeros(local, dtype=torch.bool, device=positions.device)
+    max_abs = torch.zeros(local, dtype=torch.float64, device=positions.device)
     first = positions[0]
     for block in positions.split(max(1, 2**22 // max(1, positions[0].numel()))):  # bounded temporaries
         b = block.double()
@@ -462,7 +536,11 @@ def flag_chains(positions: Tensor) -> dict[str, Tensor]:
         moved |= (block != first).any(-1).any(0)
     runaway = far > RUNAWAY_IQRS
     frozen = ~moved & ~runaway if n >= FROZEN_MIN_DRAWS else torch.zeros_like(moved)
-    return dict(runaway=runaway.cpu(), frozen=frozen.cpu(), stuck=(~moved & runaway).cpu(), max_abs=max_abs.cpu())
+    stuck = ~moved & runaway
+    if fdist.is_distributed():  # every rank's chains, in global order
+        both = fdist.gather_chains(torch.stack([runaway.double(), frozen.double(), stuck.double(), max_abs], -1), dim=0)
+        runaway, frozen, stuck, max_abs = both[:, 0] > 0, both[:, 1] > 0, both[:, 2] > 0, both[:, 3]
+    return dict(runaway=runaway.cpu(), frozen=frozen.cpu(), stuck=stuck.cpu(), max_abs=max_abs.cpu())
 
 
 def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[str, Any]:
@@ -476,12 +554,15 @@ def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[
     """
     d = int(torch.nan_to_num(rhat.double(), nan=-1.0).argmax())
     x = positions[..., d].double()
-    if keep is not None:
-        x = x[:, keep.to(x.device)]
-    chains = x.shape[1]
+    if keep is not None:  # a mask over all chains; under torchrun, positions hold this rank's block
+        keep = keep.to(x.device)
+        x = x[:, fdist.shard(keep) if fdist.is_distributed() else keep]
+    means, sds = x.mean(0), x.std(0)
+    if fdist.is_distributed():  # the per-chain figures of every rank's chains
+        means, sds = fdist.gather_chains(torch.stack([means, sds], -1), dim=0).unbind(-1)
+    chains = means.shape[0]
     if chains < MIXING_MIN_CHAINS:
         return dict(verdict="few chains", coordinate=d, gap=None)
-    means, sds = x.mean(0), x.std(0)
     within = float(sds.median())
     m = means.sort().values
     k = max(2, math.ceil(0.05 * chains))  # chains on each side
@@ -491,31 +572,42 @@ def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[
     return dict(verdict="separate modes" if gap > 4 else "too short", coordinate=d, gap=gap)
 
 
+def _pooled_mean(x: Tensor) -> Tensor:
+    """The mean over draws and chains ``(draws, chains, ...) -> (...)``; under torchrun, over every
+    rank's chains (the ranks hold the same number of draws)."""
+    if not fdist.is_distributed():
+        return x.mean((0, 1))
+    return fdist.all_reduce_mean(x.mean((0, 1)), weight=x.shape[1])
+
+
 def truth_check(truth: Truth, positions: Tensor) -> dict[str, Any]:
     """Estimates ± MCSE of what ``truth`` knows: the mean of each coordinate (up to 10), the
     variance of each and the covariance of neighbours, and a mixture's weights (the mean of the
     component probabilities ``assign(x)``, whose expectation is exactly the weights). ``z`` is
     (estimate - truth) / MCSE; the run agrees when every ``|z|`` stays under the level an exact
-    sampler exceeds 1% of the time (Bonferroni over the estimates)."""
+    sampler exceeds 1% of the time (Bonferroni over the estimates). Under torchrun, of every
+    rank's chains (fnebm.distributed's diagnostics)."""
     x = positions[..., :10].double()
     d = x.shape[-1]
     rows = []
-    mean = x.mean((0, 1))
-    mcse = diagnostics.mcse_mean(x, layout="draws_chains")
+    mean = _pooled_mean(x)
+    mcse = fdist.mcse_mean(x, layout="draws_chains")
     for i in range(d):
         rows.append((f"mean x{i}", float(mean[i]), float(mcse[i]), float(truth.mean[i])))
     pairs = [(i, i) for i in range(d)] + [(i, i + 1) for i in range(d - 1)]
     i_idx = torch.tensor([p[0] for p in pairs], device=x.device)
     j_idx = torch.tensor([p[1] for p in pairs], device=x.device)
     prod = (x[..., i_idx] - mean[i_idx]) * (x[..., j_idx] - mean[j_idx])
-    est, err = prod.mean((0, 1)), diagnostics.mcse_mean(prod, layout="draws_chains")
+    est, err = _pooled_mean(prod), fdist.mcse_mean(prod, layout="draws_chains")
     del prod
     for n, (i, j) in enumerate(pairs):
         rows.append((f"var x{i}" if i == j else f"cov x{i},x{j}", float(est[n]), float(err[n]),
                      float(truth.cov[i, j])))
     if truth.weights is not None and truth.assign is not None:
         r = truth.assign(positions.to("cpu"))
-        w, werr = r.mean((0, 1)), diagnostics.mcse_mean(r, layout="draws_chains")
+        if fdist.is_distributed():
+            r = r.to(positions.device)  # where the group's collectives take it
+        w, werr = _pooled_mean(r), fdist.mcse_mean(r, layout="draws_chains")
         for k in range(r.shape[-1]):
             centre = ", ".join(f"{v:g}" for v in truth.centres[k, :2].tolist())
             rows.append((f"weight {k}", float(w[k]), float(werr[k]), float(truth.weights[k]), f"mode at ({centre}, ...)"
@@ -531,10 +623,26 @@ def truth_check(truth: Truth, positions: Tensor) -> dict[str, Any]:
                 agrees=all(math.isfinite(r["z"]) and abs(r["z"]) <= crit for r in out))
 
 
+def _rhat_of(positions: Tensor, keep: Tensor) -> Tensor:
+    """R-hat of the chains ``keep`` (a mask over all chains) marks. Under torchrun, across the ranks;
+    a rank left without a chain sends its peers the kept chains instead (a rare case: it takes
+    the ranks' flagged chains to empty a whole block)."""
+    if not fdist.is_distributed():
+        return diagnostics.rhat(positions[:, keep], layout="draws_chains")
+    w = fdist.world_size()
+    kept = [int(keep[fdist.chain_slice(keep.shape[0], rank_=r, world_size_=w)].sum()) for r in range(w)]
+    mine = positions[:, fdist.shard(keep)]
+    if min(kept) >= 1:
+        return fdist.rhat(mine, layout="draws_chains")
+    return diagnostics.rhat(fdist.gather_chains(mine, dim=1), layout="draws_chains")
+
+
 def _summary(cfg: Config, target: Any, positions: Tensor, energies: Tensor, info: Any, compile_s: float | None,
              sampling_s: float) -> dict:
-    """Plain Python numbers (``None`` where not computed)."""
-    acc = diagnostics.acceptance_summary(info, layout="draws_chains")
+    """Plain Python numbers (``None`` where not computed). Under torchrun ``positions``, ``energies``
+    and ``info`` are this rank's chains and the summary is of all of them, the same on every rank:
+    every figure is a collective of :mod:`fnebm.distributed` (no rank holds the whole trace)."""
+    acc = fdist.acceptance_summary(info, layout="draws_chains")
     rate = acc.get("mean_acceptance_rate")
     out: dict[str, Any] = dict(
         sampler=cfg.sampler, energy=cfg.energy, dim=cfg.dim, chains=cfg.chains, steps=cfg.steps,
@@ -548,7 +656,7 @@ def _summary(cfg: Config, target: Any, positions: Tensor, energies: Tensor, info
         ess_bulk_min=None, ess_bulk_median=None, ess_per_s=None, rhat_max=None, rhat_max_unflagged=None,
         compile_s=compile_s, sampling_s=sampling_s, mixing=None, truth=None,
     )
-    flags = flag_chains(positions)
+    flags = flag_chains(positions, chains=cfg.chains)
     for name in ("runaway", "frozen"):
         idx = flags[name].nonzero().flatten()
         out[f"n_{name}"] = int(idx.numel())
@@ -557,16 +665,15 @@ def _summary(cfg: Config, target: Any, positions: Tensor, energies: Tensor, info
     bad = flags["runaway"] | flags["frozen"]
     out["runaway_max_abs"] = float(flags["max_abs"][flags["runaway"]].max()) if out["n_runaway"] else None
     if positions.shape[0] >= 4:  # the diagnostics need 4 draws
-        ess = diagnostics.ess_bulk(positions, layout="draws_chains").double().cpu()
+        ess = fdist.ess_bulk(positions, layout="draws_chains").double().cpu()
         out["ess_bulk_min"] = float(ess.min())
         out["ess_bulk_median"] = float(ess.quantile(0.5))
         out["ess_per_s"] = out["ess_bulk_min"] / sampling_s if sampling_s > 0 else math.inf
-        rhat = diagnostics.rhat(positions, layout="draws_chains")
+        rhat = fdist.rhat(positions, layout="draws_chains")
         out["rhat_max"] = float(rhat.max())
         keep = ~bad
         if bad.any() and int(keep.sum()) >= 2:
-            out["rhat_max_unflagged"] = float(diagnostics.rhat(positions[:, keep.to(positions.device)],
-                                                               layout="draws_chains").max())
+            out["rhat_max_unflagged"] = float(_rhat_of(positions, keep.to(positions.device)).max())
         if out["rhat_max"] > RHAT_OK and cfg.chains >= 2:
             verdict = mixing(positions, rhat, keep if bad.any() else None)
             tau = positions.shape[0] * cfg.chains / out["ess_bulk_min"] * cfg.thin
@@ -603,6 +710,9 @@ def format_summary(s: dict[str, Any]) -> list[str]:
         ("energy", f"{s['energy']}, dim {s['dim']}, {s['dtype']} on {s['device']}"),
         ("run", f"{s['chains']} chains x {s['steps']} steps (burn-in {s['burn_in']}, thin {s['thin']})"
                 f" -> {s['draws']} draws"),
+        *([("processes", f"{s['processes']['world_size']} ({s['processes']['backend']}): "
+                         f"{' + '.join(map(str, s['processes']['chain_counts']))} chains; the diagnostics "
+                         "are computed across them")] if s.get("processes") else []),
         *([("adaptation", f"{s['adapt']} warm-up steps: step size {s['adapted']['step_size']:.3g}, diagonal "
                           f"inverse mass matrix in [{s['adapted']['inverse_mass_matrix_range'][0]:.3g}, "
                           f"{s['adapted']['inverse_mass_matrix_range'][1]:.3g}] ({s['adapt_s']:.2f} s)")]
@@ -856,12 +966,43 @@ def _component_sd(truth: Truth, i: int) -> float:
 # ------------------------------------------------------------------------------ main
 
 
+def _gather_on_rank0(t: Tensor, chains: int) -> Tensor | None:
+    """Every rank's chains of a trace ``t: (draws, local_chains, ...)`` side by side, on rank 0's
+    host ``(draws, chains, ...)`` (``None`` on the other ranks). A block of draws at a time, so a
+    GPU holds one block of every rank's chains, not the whole trace."""
+    counts = fdist.chain_counts(chains)
+    rank, device = fdist.rank(), _group_device()
+    top = max(counts)
+    per_draw = max(1, top * math.prod(t.shape[2:]) * t.element_size())
+    rows = max(1, (64 << 20) // per_draw)  # about 64 MiB a block
+    out = []
+    for block in t.split(rows):
+        block = block.to(device)
+        if block.shape[1] < top:  # dist.gather wants equal shapes: pad, then trim
+            block = torch.cat([block, block.new_zeros((block.shape[0], top - block.shape[1], *block.shape[2:]))], 1)
+        block = block.contiguous()
+        parts = [torch.empty_like(block) for _ in counts] if rank == 0 else None
+        dist.gather(block, parts, dst=0)
+        if rank == 0:
+            out.append(torch.cat([p[:, :n] for p, n in zip(parts, counts)], 1).cpu())
+    return torch.cat(out) if rank == 0 else None
+
+
 def _sample(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    return run_launched(args.device, lambda where: _sample_on(args, where))
+
+
+def _sample_on(args: argparse.Namespace, where: Launch) -> int:
+    cfg = agree(where, lambda: _config(args, where))
     summary, positions, energies, target = _run(cfg)
-    print("\n".join(format_summary(summary)), flush=True)
-    if "profile" in summary:
-        print(summary["profile"], flush=True)
+    if cfg.rank == 0:  # rank 0 prints (and writes) for every rank
+        print("\n".join(format_summary(summary)), flush=True)
+        if "profile" in summary:
+            print(summary["profile"], flush=True)
+    if cfg.world_size > 1 and (args.out is not None or args.plot is not None):  # every rank takes part
+        positions, energies = _gather_on_rank0(positions, cfg.chains), _gather_on_rank0(energies, cfg.chains)
+    if cfg.rank != 0:
+        return 0
 
     files = []
     if cfg.out is not None:
@@ -869,7 +1010,8 @@ def _sample(args: argparse.Namespace) -> int:
             "trace": positions.detach().cpu(),
             "energy": energies.detach().cpu(),
             "summary": summary,
-            "args": {k: v for k, v in cfg._asdict().items() if k not in ("out", "plot", "progress")},
+            "args": {k: v for k, v in cfg._asdict().items()
+                     if k not in ("out", "plot", "progress", "world_size", "rank")},
         }
         files.append(("saved", args.out, cfg.out, lambda f: torch.save(record, f)))
     if cfg.plot is not None:
