@@ -23,11 +23,13 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from fnebm import _checks
 from fnebm import random as fr
 from fnebm.chain.loop import run
 from fnebm.losses import _common
+from fnebm.samplers import HMCState, LangevinState, MALAState, NUTSState
 from fnebm.samplers.langevin import langevin
 
 __all__ = [
@@ -88,6 +90,10 @@ class PCDAux(NamedTuple):
 
 torch.serialization.add_safe_globals([PCDState])
 
+# fnebm's sampler states whose ``energy`` is exactly ``E(position)``, computed by the sampler's
+# ``init`` through the energy it was given (samplers.base.init_position_state)
+_CACHES_ENERGY = (LangevinState, MALAState, HMCState, NUTSState)
+
 
 # ------------------------------------------------------------------------------- checks
 
@@ -146,27 +152,42 @@ def _nothing(state: Any) -> tuple:
     return ()
 
 
-def sample_negatives(
-    energy: Callable[[Tensor], Tensor], start: Tensor, key: Tensor, sampler: Callable, n_steps: int,
-    unroll: bool | None,
-) -> tuple[Tensor, Any]:
-    """``n_steps`` of ``sampler(energy)`` from ``start: (m, *event)``; chain ``c`` uses ``split(key, m)[c]``.
-
-    Returns the final positions ``(m, *event)`` and the info at every step. The chains'
-    energies and gradients are computed here, from ``start``, under the given energy.
-    """
+def _algorithm(sampler: Callable, energy: Callable[[Tensor], Tensor]):
     alg = sampler(energy)
     if not (callable(getattr(alg, "init", None)) and callable(getattr(alg, "step", None))):
         raise TypeError(f"sampler(energy) must return a SamplingAlgorithm(init, step), got {type(alg).__name__}")
-    state = torch.func.vmap(alg.init)(start)
-    final, _, info = run(alg.step, state, fr.split(key, start.shape[0]), n_steps, collect=_nothing,
+    return alg
+
+
+def init_chains(energy: Callable[[Tensor], Tensor], start: Tensor, sampler: Callable) -> Any:
+    """The chains' first state at ``start: (m, *event)``: ``vmap`` of ``sampler(energy).init``."""
+    return torch.func.vmap(_algorithm(sampler, energy).init)(start)
+
+
+def sample_negatives(
+    energy: Callable[[Tensor], Tensor], start: Any, key: Tensor, sampler: Callable, n_steps: int,
+    unroll: bool | None,
+) -> tuple[Tensor, Any]:
+    """``n_steps`` of ``sampler(energy)``; chain ``c`` uses ``split(key, m)[c]``.
+
+    ``start``: positions ``(m, *event)``, whose energies and gradients are then computed here
+    under the given energy, or a sampler state from :func:`init_chains`. Returns the final
+    positions ``(m, *event)`` and the info at every step.
+    """
+    alg = _algorithm(sampler, energy)
+    state = torch.func.vmap(alg.init)(start) if isinstance(start, Tensor) else start
+    m = pytree.tree_leaves(state)[0].shape[0]
+    final, _, info = run(alg.step, state, fr.split(key, m), n_steps, collect=_nothing,
                          unroll=_default_unroll(unroll))
     return final.position, info
 
 
 def _cd_value(energy: Callable[[Tensor], Tensor], batch: Tensor, negatives: Tensor,
-              alpha: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-    e_pos = _common.batched(energy)(batch)
+              alpha: Tensor | float, e_pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The loss and ``E(x⁺)``, ``E(x⁻)``; ``e_pos``: ``E(x⁺)`` already evaluated (with its parameter
+    gradient), else computed here."""
+    if e_pos is None:
+        e_pos = _common.batched(energy)(batch)
     e_neg = _common.batched(energy)(negatives)
     loss = e_pos.mean() - e_neg.mean()
     if not (isinstance(alpha, float) and alpha == 0.0):
@@ -230,6 +251,7 @@ def contrastive_divergence(
     if not isinstance(grad_through_sampler, bool):
         raise TypeError(f"grad_through_sampler must be a bool, got {type(grad_through_sampler).__name__}")
     k_init, k_chain = fr.split(key)
+    from_data = isinstance(init, str) and init == "data"
     if isinstance(init, str):
         if init == "data":
             start = batch
@@ -241,13 +263,23 @@ def contrastive_divergence(
         start = _check_positions("init", init, batch)
 
     model = _common.with_autocast(energy, dtype)
-    if grad_through_sampler:
-        negatives, info = sample_negatives(model, start, k_chain, sampler, n_steps, unroll)
-    else:
-        frozen = _common.with_autocast(_common.stop_gradient(energy), dtype)
-        negatives, info = sample_negatives(frozen, start.detach(), k_chain, sampler, n_steps, unroll)
+    frozen = model if grad_through_sampler else _common.with_autocast(_common.stop_gradient(energy), dtype)
+    e_pos = None
+    if from_data and not grad_through_sampler:
+        # The chains start at the positives, and an fnebm sampler's init evaluates E there (and
+        # dE/dx): run under the live parameters, that E is the loss's E(x⁺), with its parameter
+        # gradient, so the positives' forward pass runs once. Detached, the state is the one
+        # `frozen` would give, to the bit.
+        start = init_chains(model, batch, sampler)
+        if isinstance(start, _CACHES_ENERGY):
+            e_pos = start.energy
+        start = _common.stop_gradient(start)
+    elif not grad_through_sampler:
+        start = start.detach()
+    negatives, info = sample_negatives(frozen, start, k_chain, sampler, n_steps, unroll)
+    if not grad_through_sampler:
         negatives = negatives.detach()
-    loss, e_pos, e_neg = _cd_value(model, batch, negatives, alpha)
+    loss, e_pos, e_neg = _cd_value(model, batch, negatives, alpha, e_pos)
     return loss, CDAux(e_pos.detach(), e_neg.detach(), negatives.detach(), info)
 
 
