@@ -7,6 +7,13 @@ sampler targeting the model. No gradient flows through the sampler unless asked
 (``grad_through_sampler=True``): the sampler runs on a detached copy of the energy, so the
 gradient is exactly that of the two energy means.
 
+**Evaluations.** With ``init="data"`` the chains start at the positives, so the sampler's
+``init`` (E and dE/dx at the start) runs under the live energy and its state is then detached:
+the state's energy (an fnebm sampler's ``energy`` field) is the loss's ``E(x⁺)``, parameter
+gradient included, and the positives' forward pass runs once. CD-k then costs the sampler's
+evaluations of E and dE/dx (Langevin: ``k + 1``, at the start and at every proposal) and one
+forward pass, ``E(x⁻)``; other starts add ``E(x⁺)``.
+
 **Randomness.** ``key`` (one key ``(2,)``) is split as ``k_init, k_chain = split(key)``: the
 starting points use ``k_init``, and chain ``c`` takes ``split(k_chain, n_chains)[c]`` (which
 :func:`fnebm.chain.run` folds with the step index).
