@@ -14,9 +14,11 @@ import torch
 from torch import Tensor
 
 import fnebm
+from fnebm import distributed as fdist
 from fnebm import energies as E
 from fnebm import random as fr
-from fnebm.cli._common import UsageError, _destination, _device, _sync, write_outputs
+from fnebm.cli._common import (Launch, UsageError, _destination, _device, _sync, agree, launched, run_launched,
+                               write_outputs)
 from fnebm.cli.presets import DTYPES
 
 
@@ -26,10 +28,17 @@ from fnebm.cli.presets import DTYPES
 # key: k_params, k_chains, k_train, k_eval = split(key(seed), 4); training step t uses
 # fold_in(k_train, t). The checkpoint holds the parameters, Adam's moments and count, the
 # persistent chains, the key and the step, so a resumed run continues the same stream.
+#
+# Two key layouts. "batch" (one process): the step's loss takes one key for the whole batch, and pcd's
+# chains share one replay buffer. "per-example" (fnebm.distributed's; the default under torchrun): the
+# loss key is split over the examples, and each example is a batch of one with its own key and its own
+# persistent chain and replay ring, so the run is the same on any number of processes.
 
 TRAIN_LOSSES = ("pcd", "cd", "dsm", "ssm", "sm")
 TRAIN_SAMPLERS = ("langevin", "mala")
+LAYOUTS = ("batch", "per-example")
 CHECKPOINT_FORMAT = "fnebm-train"
+PER_EXAMPLE_VERSION = 3  # a per-example checkpoint: version 2's keys, "layout", one chain (and ring) per example
 CHECKPOINT_VERSION = 2  # 2: config["lr_decay"], config["reinit"]; version 1 (constant lr, restarts 0.05) reads as such
 V1_CONFIG = {"lr_decay": 0, "reinit": 0.05}  # what a version 1 checkpoint trained with
 # the training options a checkpoint fixes (a resumed run takes them from it), and their defaults. Tuned on
@@ -73,6 +82,9 @@ class TrainConfig(NamedTuple):
     resume: str | None
     progress: bool
     compile: bool
+    layout: str = "batch"  # fixed by a checkpoint too (its version says which), kept apart from TRAIN_DEFAULTS
+    world_size: int = 1    # processes (torchrun), each holding a block of every step's examples
+    rank: int = 0
 
     def fixed(self) -> dict[str, Any]:
         """The options a checkpoint records and a resumed run must keep."""
@@ -126,6 +138,10 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     p.add_argument("--no-compile", action="store_true",
                    help="run the training step eagerly, without torch.compile (faster for short runs)")
+    p.add_argument("--layout", default=None, metavar="NAME",
+                   help="the key layout: batch (one key for the batch's loss, one shared replay buffer; one "
+                        "process only) or per-example (a key, a chain and a replay ring per example: the same "
+                        "run on any number of processes) (default: batch; per-example under torchrun)")
 
 
 def _positive(flag: str, value: float, *, integer: bool = False) -> None:
@@ -146,9 +162,13 @@ def _load_checkpoint(path: str, device: torch.device) -> dict[str, Any]:
         raise UsageError(f"--resume {path}: not an fnebm train checkpoint ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: not an fnebm train checkpoint (written by fnebm train --out)")
-    if ckpt.get("version") not in (1, CHECKPOINT_VERSION):
+    if ckpt.get("version") not in (1, CHECKPOINT_VERSION, PER_EXAMPLE_VERSION):
         raise UsageError(f"--resume {path}: checkpoint version {ckpt.get('version')!r}, this fnebm reads "
-                         f"1 to {CHECKPOINT_VERSION}")
+                         f"1 to {PER_EXAMPLE_VERSION}")
+    if ckpt["version"] < PER_EXAMPLE_VERSION:
+        ckpt["layout"] = "batch"
+    elif ckpt.get("layout") != "per-example":
+        raise UsageError(f"--resume {path}: damaged checkpoint (version {PER_EXAMPLE_VERSION} without its layout)")
     if ckpt["version"] == 1 and isinstance(ckpt.get("config"), dict):
         for name, value in V1_CONFIG.items():  # continue a version 1 run the way it was trained
             ckpt["config"].setdefault(name, value)
@@ -160,10 +180,13 @@ def _load_checkpoint(path: str, device: torch.device) -> dict[str, Any]:
     return ckpt
 
 
-def _train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] | None]:
+def _train_config(args: argparse.Namespace,
+                  where: Launch | None = None) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The checked options, and the checkpoint to resume; ``where``: this rank under torchrun."""
     from fnebm import datasets
 
-    device = _device(args.device)
+    device = _device(args.device) if where is None else where.device
+    world, rank = (1, 0) if where is None else (where.world_size, where.rank)
     ckpt = None
     if args.resume is not None:
         ckpt = _load_checkpoint(args.resume, device)
@@ -207,15 +230,43 @@ def _train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]
         fr.key(opts["seed"])
     except (TypeError, ValueError) as e:
         raise UsageError(f"--seed: {e}") from None
-    out = None if args.out is None else _destination("--out", args.out)
-    plot = None if args.plot is None else _destination("--plot", args.plot)
+    layout = _layout(args, ckpt, world, launched() or world > 1)
+    if layout == "per-example" and opts["buffer"] % opts["batch"]:
+        raise UsageError(f"--buffer {opts['buffer']} with --layout per-example must be a multiple of --batch "
+                         f"{opts['batch']}: each example's chain keeps --buffer / --batch replay entries")
+    if opts["batch"] < world:
+        raise UsageError(f"--batch {opts['batch']} must be at least the number of processes ({world}): every "
+                         "rank holds a block of each step's examples")
+    # only rank 0 writes files: only its paths are checked
+    out = None if args.out is None or rank != 0 else _destination("--out", args.out)
+    plot = None if args.plot is None or rank != 0 else _destination("--plot", args.plot)
     if out is not None and out == plot:
         raise UsageError(f"--out and --plot name the same file {args.out}")
     opts = {k: (float(v) if isinstance(TRAIN_DEFAULTS[k], float) else v) for k, v in opts.items()}
     cfg = TrainConfig(**opts, steps=args.steps, sample_steps=args.sample_steps, device=str(device), out=out,
-                      plot=plot, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(),
-                      compile=not args.no_compile)
+                      plot=plot, resume=args.resume,
+                      progress=not args.no_progress and sys.stderr.isatty() and rank == 0,
+                      compile=not args.no_compile, layout=layout, world_size=world, rank=rank)
     return cfg, ckpt
+
+
+def _layout(args: argparse.Namespace, ckpt: dict[str, Any] | None, world: int, under_torchrun: bool) -> str:
+    """The key layout: ``--layout``, else the checkpoint's, else per-example under torchrun, batch otherwise."""
+    given = args.layout
+    if given is not None and given not in LAYOUTS:
+        raise UsageError(f"unknown layout {given!r} (choose from {', '.join(LAYOUTS)})")
+    if ckpt is not None:
+        if given is not None and given != ckpt["layout"]:
+            raise UsageError(f"--resume {args.resume}: --layout {given} differs from the checkpoint's "
+                             f"{ckpt['layout']} (leave it out to keep the checkpoint's)")
+        layout = ckpt["layout"]
+    else:
+        layout = given or ("per-example" if under_torchrun else "batch")
+    if layout == "batch" and world > 1:
+        what = (f"--resume {args.resume} was trained with --layout batch" if given is None else "--layout batch")
+        raise UsageError(f"{what}, which runs in one process (one key for the whole batch): under torchrun "
+                         "use --layout per-example")
+    return layout
 
 
 # --------------------------------------------------------------------------- the model
@@ -264,6 +315,8 @@ def _loss_function(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
     from fnebm import losses
 
     data, sampler, dtype = datasets.get(cfg.dataset), _train_sampler(cfg), DTYPES[cfg.dtype]
+    if cfg.layout == "per-example":
+        return _per_example_loss(cfg)
 
     def f(params: dict[str, Tensor], key: Tensor, chains: Any) -> tuple[Tensor, Any]:
         k_data, k_loss = fr.split(key)
@@ -284,6 +337,50 @@ def _loss_function(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
         else:
             loss, _ = losses.exact_score_matching(energy, batch, k_loss)
         return loss, chains
+
+    return f
+
+
+def _per_example_loss(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
+    """:func:`_loss_function` in the per-example layout: ``f(params, key, chains) -> (loss, chains)``
+    on this rank's examples ``chain_slice(batch)`` of the step's batch, example ``i`` taking the key
+    ``split(k_loss, batch)[i]`` and (pcd) its own chain; the loss is the mean over this rank's examples.
+
+    The batch and ``k_loss`` come from ``key`` as in the batch layout (the same data). The sampler
+    loop keeps the losses' ``unroll=None``: unrolled inside ``torch.compile`` (a scan cannot run
+    under ``vmap`` there), a loop eagerly.
+    """
+    import functools
+
+    from fnebm import datasets
+    from fnebm import losses
+
+    data, sampler, dtype = datasets.get(cfg.dataset), _train_sampler(cfg), DTYPES[cfg.dtype]
+    n = cfg.batch
+    mine = fdist.chain_slice(n, rank_=cfg.rank, world_size_=cfg.world_size)  # a constant: nothing asks the group
+    if cfg.loss == "pcd":
+        one = functools.partial(losses.persistent_contrastive_divergence, sampler=sampler, n_steps=cfg.k,
+                                reinit_prob=cfg.reinit, noise=_fresh)
+    elif cfg.loss == "cd":
+        one = functools.partial(losses.contrastive_divergence, sampler=sampler, n_steps=cfg.k, init="data")
+    elif cfg.loss == "dsm":
+        one = functools.partial(losses.denoising_score_matching, sigma=cfg.sigma)
+    elif cfg.loss == "ssm":
+        one = functools.partial(losses.sliced_score_matching, variance_reduction=True)
+    else:
+        one = losses.exact_score_matching
+    loss = fdist.per_example(one)
+
+    def f(params: dict[str, Tensor], key: Tensor, chains: Any) -> tuple[Tensor, Any]:
+        k_data, k_loss = fr.split(key)
+        batch = data(k_data, n, dtype)[mine]
+        keys = fr.split(k_loss, n)[mine]
+        energy = E.bind(mlp_energy, params)
+        if cfg.loss == "pcd":
+            value, aux = loss(energy, batch, keys, chains)
+            return value, aux.state
+        value, _ = loss(energy, batch, keys)
+        return value, chains
 
     return f
 
@@ -315,7 +412,7 @@ _TRAIN_CACHE: dict[tuple, Callable] = {}
 
 def _compiled_loss(cfg: TrainConfig) -> Callable:
     """The loss compiled once per configuration and process (``fullgraph``, default backend)."""
-    key = (*cfg.fixed().values(), cfg.device)
+    key = (*cfg.fixed().values(), cfg.device, cfg.layout, cfg.world_size, cfg.rank)
     if key not in _TRAIN_CACHE:
         _TRAIN_CACHE[key] = torch.compile(_loss_function(cfg), fullgraph=True)
     return _TRAIN_CACHE[key]
@@ -325,7 +422,7 @@ def _initial(cfg: TrainConfig, ckpt: dict[str, Any] | None) -> dict[str, Any]:
     """The training state: from the checkpoint, or fresh from the seed."""
     from fnebm import losses
 
-    if ckpt is not None:
+    if ckpt is not None:  # the chains of every example (per-example: this rank takes its block in _train_loop)
         chains = None if ckpt["chains"] is None else losses.PCDState(**ckpt["chains"])
         return dict(step=int(ckpt["step"]), key=ckpt["key"], params=ckpt["params"], optimizer=ckpt["optimizer"],
                     chains=chains, losses=ckpt["losses"].to(torch.float64).cpu())
@@ -335,7 +432,9 @@ def _initial(cfg: TrainConfig, ckpt: dict[str, Any] | None) -> dict[str, Any]:
     zeros = {name: torch.zeros_like(p) for name, p in params.items()}
     optimizer = {"m": zeros, "v": dict(zeros), "t": torch.zeros((), dtype=dtype, device=device)}
     chains = None
-    if cfg.loss == "pcd":
+    if cfg.loss == "pcd" and cfg.layout == "per-example":  # a chain and a ring of buffer / batch entries each
+        chains = fdist.per_example_pcd_init(_fresh(k_chains, (cfg.batch, 2), dtype), cfg.buffer // cfg.batch)
+    elif cfg.loss == "pcd":
         chains = losses.pcd_init(_fresh(k_chains, (cfg.batch, 2), dtype), buffer_size=cfg.buffer)
     return dict(step=0, key=k_train, params=params, optimizer=optimizer, chains=chains,
                 losses=torch.zeros(0, dtype=torch.float64))
@@ -355,17 +454,34 @@ def _check_resumed(cfg: TrainConfig, state: dict[str, Any]) -> None:
         all(opt[s][n].shape == p.shape for n, p in expected.items()) for s in ("m", "v"))
     chains = state["chains"]
     ok = ok and (chains is None) == (cfg.loss != "pcd")
-    ok = ok and (chains is None or (chains.positions.shape == (cfg.batch, 2) and
-                                    chains.buffer.shape == (cfg.buffer, 2)))
+    if cfg.layout == "per-example":
+        n = cfg.batch
+        ok = ok and (chains is None or (chains.positions.shape == (n, 1, 2) and
+                                        chains.buffer.shape == (n, cfg.buffer // n, 2) and
+                                        chains.count.shape == (n,) and chains.pointer.shape == (n,)))
+    else:
+        ok = ok and (chains is None or (chains.positions.shape == (cfg.batch, 2) and
+                                        chains.buffer.shape == (cfg.buffer, 2)))
     if not ok:
         raise UsageError(f"--resume {cfg.resume}: damaged checkpoint (its tensors do not match its config)")
 
 
 def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any], float | None, float]:
-    """``cfg.steps`` training steps from ``state``; returns ``(state, compile_s, train_s)``."""
+    """``cfg.steps`` training steps from ``state``; returns ``(state, compile_s, train_s)``.
+
+    Per-example under torchrun: this rank trains on its block of every step's examples and their
+    chains, and the gradients (and the loss) are averaged over the ranks, weighted by their number of
+    examples; the returned chains are every rank's (gathered).
+    """
     device = torch.device(cfg.device)
     loss_fn = _compiled_loss(cfg) if cfg.compile else _loss_function(cfg)
     params, opt, chains = state["params"], state["optimizer"], state["chains"]
+    sharded = cfg.world_size > 1
+    n_local = fdist.chain_counts(cfg.batch, cfg.world_size)[cfg.rank]
+    if sharded and chains is not None:
+        chains = fdist.shard(chains)
+    if chains is not None:  # vmap's per_example_pcd_init leaves a stride-0 count: a compiled step would recompile
+        chains = type(chains)(*(x.contiguous() for x in chains))
     start, base_key = state["step"], state["key"]
     history = torch.empty(cfg.steps, dtype=torch.float64, device=device)
     bar = None
@@ -380,6 +496,8 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
         leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
         loss, chains = loss_fn(leaves, fr.fold_in(base_key, start + i), chains)
         grads = torch.autograd.grad(loss, tuple(leaves.values()))
+        if sharded:  # the global batch's gradient, and its loss: one all-reduce
+            grads, loss = fdist.all_reduce_mean((grads, loss.detach()), weight=n_local)
         with torch.no_grad():
             params, opt = adam_update({n: p.detach() for n, p in leaves.items()}, grads, opt,
                                       learning_rate(cfg, start + i))
@@ -395,6 +513,8 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
     train_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    if sharded and chains is not None:
+        chains = fdist.gather_chains(chains, dim=0)
     losses = torch.cat([state["losses"], history.cpu()])
     new = dict(step=start + cfg.steps, key=base_key, params={n: p.detach() for n, p in params.items()},
                optimizer=opt, chains=chains, losses=losses)
@@ -405,15 +525,19 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 def model_samples(cfg: TrainConfig, params: dict[str, Tensor], key: Tensor, n: int = SAMPLE_CHAINS) -> Tensor:
-    """``n`` chains from ``N(0, INIT_SCALE² I)`` run ``cfg.sample_steps`` steps of the sampler on the model: ``(n, 2)``."""
+    """``n`` chains from ``N(0, INIT_SCALE² I)`` run ``cfg.sample_steps`` steps of the sampler on the model: ``(n, 2)``.
+
+    Under torchrun each rank runs its block of the chains (fnebm.distributed's layout: the same chains as
+    one process) and every rank gets all of them; every rank must call it."""
     from fnebm.chain.loop import run
 
     alg = _train_sampler(cfg)(E.bind(mlp_energy, params))
     k_start, k_run = fr.split(key)
-    state = torch.func.vmap(alg.init)(_fresh(k_start, (n, 2), DTYPES[cfg.dtype]))
+    mine = fdist.chain_slice(n)
+    state = torch.func.vmap(alg.init)(_fresh(k_start, (n, 2), DTYPES[cfg.dtype])[mine])
     with torch.no_grad():
-        final, _, _ = run(alg.step, state, fr.split(k_run, n), cfg.sample_steps, collect=lambda s: ())
-    return final.position.detach()
+        final, _, _ = run(alg.step, state, fr.split(k_run, n)[mine], cfg.sample_steps, collect=lambda s: ())
+    return fdist.gather_chains(final.position.detach(), dim=0)
 
 
 def _box(data: Tensor) -> tuple[Tensor, Tensor]:
@@ -471,7 +595,7 @@ def mmd2(x: Tensor, y: Tensor, scales: tuple[float, ...] = (0.1, 0.3, 1.0)) -> f
     return float(sxx + syy - 2 * k(x, y).mean())
 
 
-def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any]:
+def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any] | None:
     """The quality figures and what the plot draws, all on the CPU in float64.
 
     ``kl``: KL(data || model) in nats between two densities on a GRID x GRID grid over the data's
@@ -480,12 +604,18 @@ def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any]:
     between the estimates from two independent data sets of EVAL_POINTS points (what a perfect
     model would score, up to the smoothing). ``mmd2``: unbiased squared MMD between the model
     samples and as many data points (Gaussian kernels of width 0.1, 0.3 and 1).
+
+    Under torchrun every rank runs its block of the model samples' chains; rank 0 gets the figures,
+    the other ranks ``None``.
     """
     from fnebm import datasets
 
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     k_eval = fr.split(fr.key(cfg.seed, device=device), 4)[3]
     k_data, k_floor, k_samples = fr.split(k_eval, 3)
+    samples = model_samples(cfg, params, k_samples)  # a collective under torchrun
+    if cfg.rank != 0:
+        return None
     data_fn = datasets.get(cfg.dataset)
     data = data_fn(k_data, EVAL_POINTS, torch.float64).cpu()
     other = data_fn(k_floor, EVAL_POINTS, torch.float64).cpu()
@@ -498,7 +628,6 @@ def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any]:
     log_q = torch.where(finite, -energy, torch.full_like(energy, -math.inf))
     log_q = log_q - torch.logsumexp(log_q.reshape(-1), 0)
     p = _kde(data, lo, hi)
-    samples = model_samples(cfg, params, k_samples)
     samples_cpu = samples.to("cpu", torch.float64)
     ok = torch.isfinite(samples_cpu).all(1)
     return dict(
@@ -566,6 +695,13 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
          f"{s['mmd2']:.2e}: model samples ({c['sampler']}, {s['sample_steps']} steps from noise) vs data"),
         ("evaluation", f"{s['eval_s']:.2f} s"),
     ]
+    if s.get("processes"):
+        p = s["processes"]
+        rows.insert(3, ("processes", f"{p['world_size']} ({p['backend']}): {' + '.join(map(str, p['examples']))} "
+                                     "examples (and chains) of each step; gradients averaged across them"))
+    if c.get("layout", "batch") != "batch":
+        rows.insert(3, ("layout", "per-example: a key and a chain per example (fnebm.distributed), the same run "
+                                  "on any number of processes"))
     lines = [f"{k:<12} {v}" for k, v in rows]
     if s["nonfinite_samples"]:
         lines.append(f"{'note':<12} {s['nonfinite_samples']} model samples diverged (left out of MMD and plot)")
@@ -573,15 +709,25 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg, ckpt = _train_config(args)
-    state = _initial(cfg, ckpt)
-    if ckpt is not None:
-        _check_resumed(cfg, state)
+    return run_launched(args.device, lambda where: _train_on(args, where))
+
+
+def _train_on(args: argparse.Namespace, where: Launch) -> int:
+    def checked() -> tuple[TrainConfig, dict[str, Any] | None, dict[str, Any]]:
+        cfg, ckpt = _train_config(args, where)
+        state = _initial(cfg, ckpt)
+        if ckpt is not None:
+            _check_resumed(cfg, state)
+        return cfg, ckpt, state
+
+    cfg, ckpt, state = agree(where, checked)  # every rank reads --resume (a file every rank sees)
     start = state["step"]
     state, compile_s, train_s = _train_loop(cfg, state)
     t0 = time.perf_counter()
     ev = evaluate(cfg, state["params"])
     eval_s = time.perf_counter() - t0
+    if cfg.rank != 0:  # rank 0 prints and writes for every rank
+        return 0
     history = state["losses"]
     window = max(1, min(len(history), cfg.steps // 10))
     timed = cfg.steps - (1 if compile_s is not None else 0)
@@ -593,13 +739,20 @@ def _train(args: argparse.Namespace) -> int:
         kl=ev["kl"], kl_floor=ev["kl_floor"], mmd2=ev["mmd2"], nonfinite_samples=ev["nonfinite_samples"],
         sample_steps=cfg.sample_steps, eval_s=eval_s,
     )
+    if cfg.layout != "batch":
+        summary["config"]["layout"] = cfg.layout
+    if cfg.world_size > 1:
+        summary["processes"] = dict(world_size=cfg.world_size, backend=where.backend,
+                                    examples=fdist.chain_counts(cfg.batch, cfg.world_size))
     print("\n".join(format_train_summary(summary)), flush=True)
 
     files = []
     if cfg.out is not None:
         chains = state["chains"]
         record = {
-            "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "config": cfg.fixed(),
+            "format": CHECKPOINT_FORMAT, "config": cfg.fixed(),
+            **({"version": CHECKPOINT_VERSION} if cfg.layout == "batch" else
+               {"version": PER_EXAMPLE_VERSION, "layout": cfg.layout}),
             "step": state["step"], "key": state["key"].cpu(),
             "params": {n: p.cpu() for n, p in state["params"].items()},
             "optimizer": {"m": {n: t.cpu() for n, t in state["optimizer"]["m"].items()},
