@@ -136,8 +136,12 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, metavar="NAME",
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="run the training step eagerly, without torch.compile (faster for short runs)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
+                     help="compile the loss with torch.compile (the default with --layout batch)")
+    how.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                     help="run the training step eagerly, without torch.compile (faster for short runs; the "
+                          "default with --layout per-example, whose compile unrolls the --k sampler steps)")
     p.add_argument("--layout", default=None, metavar="NAME",
                    help="the key layout: batch (one key for the batch's loss, one shared replay buffer; one "
                         "process only) or per-example (a key, a chain and a replay ring per example: the same "
@@ -246,7 +250,8 @@ def _train_config(args: argparse.Namespace,
     cfg = TrainConfig(**opts, steps=args.steps, sample_steps=args.sample_steps, device=str(device), out=out,
                       plot=plot, resume=args.resume,
                       progress=not args.no_progress and sys.stderr.isatty() and rank == 0,
-                      compile=not args.no_compile, layout=layout, world_size=world, rank=rank)
+                      compile=(layout == "batch") if args.compile is None else args.compile, layout=layout,
+                      world_size=world, rank=rank)
     return cfg, ckpt
 
 
@@ -514,11 +519,20 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
     if bar is not None:
         bar.close()
     if sharded and chains is not None:
-        chains = fdist.gather_chains(chains, dim=0)
+        chains = _gather_examples(chains, cfg.batch)
     losses = torch.cat([state["losses"], history.cpu()])
     new = dict(step=start + cfg.steps, key=base_key, params={n: p.detach() for n, p in params.items()},
                optimizer=opt, chains=chains, losses=losses)
     return new, compile_s, train_s
+
+
+def _gather_examples(chains: Any, n: int) -> Any:
+    """Every rank's rows of per-example chains (a ``PCDState``), in global order, on every rank.
+
+    ``fnebm.distributed.gather_chains`` leaf by leaf, except a leaf with no elements (the rings of
+    ``--buffer 0``), which is made here: gloo aborts the process on an all-gather of empty tensors."""
+    return type(chains)(*(x.new_empty((n, *x.shape[1:])) if x.numel() == 0 else fdist.gather_chains(x, dim=0)
+                          for x in chains))
 
 
 # ------------------------------------------------------------------------- evaluation
@@ -687,7 +701,8 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
                   + (f" -> {LR_FLOOR * c['lr']:g} linearly by step {c['lr_decay']}" if c["lr_decay"] else "")
                   + f", seed {c['seed']})"),
         ("final loss", f"{s['final_loss']:.4g} (mean over the last {s['final_window']} steps)"),
-        ("compile", "skipped (--no-compile)" if s["compile_s"] is None else f"{s['compile_s']:.2f} s"),
+        ("compile", (("skipped (per-example layout: eager unless --compile)" if c.get("layout") == "per-example"
+                      else "skipped (--no-compile)") if s["compile_s"] is None else f"{s['compile_s']:.2f} s")),
         ("training", f"{s['train_s']:.2f} s ({1000 * s['step_ms']:.1f} ms/step)"),
         ("KL", f"{s['kl']:.4f} nats: KL(data || model) on a {GRID}x{GRID} grid "
                f"(floor {s['kl_floor']:.4f}: two data sets of {EVAL_POINTS})"),
