@@ -218,6 +218,8 @@ def _gather_cat(t: Tensor, dim: int, sizes: Sequence[int], group: Any) -> Tensor
     dist = _dist()
     t = t.movedim(dim, 0)
     top = max(sizes)
+    if top == 0 or math.prod(t.shape[1:]) == 0:  # nothing to move: gloo aborts on empty tensors
+        return t.new_empty((sum(sizes), *t.shape[1:])).movedim(0, dim)
     if t.shape[0] < top:
         t = torch.cat([t, t.new_zeros((top - t.shape[0], *t.shape[1:]))])
     t = t.contiguous()

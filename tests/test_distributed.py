@@ -122,6 +122,8 @@ def _sampling_worker(rank, out):
         "local_chains": trace.shape[1],
         "trace": fdist.gather_chains(trace),
         "info": fdist.gather_chains(info._asdict()),
+        # empty leaves (an empty replay ring, no kept draws): gloo aborts on empty collectives
+        "empty": fdist.gather_chains((trace[:0], torch.zeros(2, trace.shape[1], 0), torch.zeros(3, 0))),
         "summary": fdist.summary(trace, info),
         "table": str(fdist.summary_table(trace, info)),
         "rhat": fdist.rhat(trace),
@@ -153,6 +155,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     )
     for r in (r0, r1):
         assert torch.equal(r["trace"], trace)  # bit for bit
+        assert [tuple(t.shape) for t in r["empty"]] == [(0, N_CHAINS, 2), (2, N_CHAINS, 0), (3, 0)]
         for k, v in info._asdict().items():
             assert torch.equal(r["info"][k], v), k
 
