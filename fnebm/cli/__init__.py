@@ -16,13 +16,12 @@ import sys
 import tempfile  # noqa: F401  (tests patch cli.tempfile.mkstemp)
 
 import fnebm
-from fnebm.cli._common import PROG, RunError, UsageError, _one_line, _Parser, is_out_of_memory, write_atomic
+from fnebm.cli._common import (PROG, RunError, UsageError, _one_line, _Parser, is_out_of_memory, launched,
+                               launched_rank, write_atomic)
 from fnebm.cli.presets import DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, EnergySpec, demo_command
 from fnebm.cli.sample import _add_run_options, _chunk_size, _sample, format_summary, plot
 from fnebm.cli.train import (TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options, _train, mlp_energy,
                              mlp_init)
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, MemoryError) as e:  # the CPU allocator raises RuntimeError, CUDA's OutOfMemoryError
         if not is_out_of_memory(e):
             raise
-        print(f"{PROG}: error: out of memory ({_one_line(e)[:200]}); use a smaller run: fewer --chains or --steps "
-              "(fnebm sample: or a larger --thin)", file=sys.stderr)
+        where = f"rank {launched_rank()}: " if launched() else ""  # under torchrun any rank may run out
+        print(f"{PROG}: error: {where}out of memory ({_one_line(e)[:200]}); use a smaller run: fewer --chains or "
+              "--steps (fnebm sample: or a larger --thin)", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        if launched_rank() == 0:  # torchrun passes Ctrl-C to every rank: one line, from rank 0
+            print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
 
