@@ -835,7 +835,9 @@ def plot(f: BinaryIO, target: Any, positions: Tensor, energies: Tensor, summary:
         return lo - pad, hi + pad
 
     n_left = 1 if dim == 2 else min(dim, 4)
-    fig = Figure(figsize=(5.6 + 4.4 * 2 if dim == 2 else 3.4 * n_left + 8.8, 4.6), layout="constrained")
+    # fixed margins: the constrained layout engine took a third of the plot's time (0.18 of 0.55 s)
+    fig = Figure(figsize=(5.6 + 4.4 * 2 if dim == 2 else 3.4 * n_left + 8.8, 4.6))
+    fig.subplots_adjust(left=0.06 if dim == 2 else 0.05, right=0.985, bottom=0.12, top=0.85, wspace=0.32)
     FigureCanvasAgg(fig)
     ratios = ([1.3] if dim == 2 else [1] * n_left) + [1.1, 1.1]
     axes = fig.subplots(1, n_left + 2, width_ratios=ratios)
