@@ -370,7 +370,13 @@ def run_launched(device: str | None, body: Callable[[Launch], int]) -> int:
             quiet_exit(2, e)
         raise
     try:
-        return body(where)
+        code = body(where)
+        if where.owned and where.world_size > 1:
+            # every rank done communicating before any tears the group down: a rank that
+            # destroyed its gloo group while a peer still talked to it aborted once in CI
+            # ("terminate called without an active exception", exit -6)
+            dist.barrier()
+        return code
     except (UsageError, RunError) as e:
         if where.rank == 0:
             raise
