@@ -45,16 +45,19 @@ def _one_line(message: Any) -> str:
     return " ".join(str(message).split()) or "unknown error"
 
 
+def _parse_device(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+
 
 def _device(name: str | None) -> torch.device:
     if launched():
         return _launched_device(name)
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    dev = _parse_device(name)
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
@@ -306,10 +309,7 @@ def _launched_device(name: str | None) -> torch.device:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name is None:
         return torch.device("cuda", local_rank) if 0 < local_ranks <= gpus else torch.device("cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    dev = _parse_device(name)
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
