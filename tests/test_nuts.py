@@ -381,3 +381,52 @@ def test_acceptance_summary_reads_the_nuts_fields():
     for key in ("mean_acceptance_rate", "n_divergent", "mean_tree_depth", "mean_num_integration_steps"):
         assert key in summary
     torch.testing.assert_close(summary["mean_tree_depth"], info.tree_depth.to(F64).mean())
+
+
+# ---------------------------------------------------------------- the compiled loop under Inductor
+
+def test_inductor_gets_its_cpp_wrapper_for_graphs_with_a_while_loop(monkeypatch):
+    # the runner's backend hands Inductor cpp_wrapper=True for a CPU graph holding a while_loop
+    # (NUTS: the Python wrapper's per-trip allocations were a third of a trip), and not otherwise
+    import torch._inductor.compile_fx as cfx
+
+    from fnebm._control import while_loop
+    from fnebm.chain import runner
+
+    seen = []
+
+    def record(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", record)
+
+    def looped(x):
+        return while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2.0), (torch.zeros((), dtype=torch.int64), x))[1]
+
+    def plain(x):
+        return x * 2.0
+
+    for fn, expected in ((looped, True), (plain, False)):
+        torch._dynamo.reset()
+        out = torch.compile(fn, fullgraph=True, backend=runner._inductor)(torch.ones(3))
+        assert torch.equal(out, fn(torch.ones(3)))
+        assert seen[-1].get("cpp_wrapper", False) is expected, seen[-1]
+        assert "unsafe_marked_cacheable_functions" in seen[-1]
+
+
+@pytest.mark.compile
+def test_nuts_compiled_by_inductor_equals_eager():
+    # the real path: NUTS's while_loop compiled by Inductor (C++ wrapper on CPU) against the eager
+    # loop, same keys; float64, so the compiled arithmetic may differ only in rounding
+    target = E.gaussian(MEAN, COV)
+    alg = fnebm.nuts(target, torch.tensor([0.6, 0.9, 1.2, 0.3], dtype=F64), max_tree_depth=5)
+    state = torch.func.vmap(alg.init)(_exact(MEAN, COV, 4, 70))
+    cache = fnebm.chain.RunnerCache()
+    runs = [fnebm.sample_chain(alg.step, state, fr.key(71), 6, compile=c, progress=False, cache=cache)
+            for c in (True, False)]
+    (_, trace_c, info_c), (_, trace_e, info_e) = runs
+    torch.testing.assert_close(trace_c, trace_e, rtol=1e-10, atol=1e-10)
+    assert torch.equal(info_c.num_integration_steps, info_e.num_integration_steps)
+    assert torch.equal(info_c.tree_depth, info_e.tree_depth)
+    assert info_c.tree_depth.unique().numel() >= 2  # trees of several sizes: the masks matter

@@ -34,6 +34,32 @@ _COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_orde
 _IDS = itertools.count()
 
 
+def _has_while_loop(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph holds a ``while_loop`` (NUTS, trajectory lengths as data), nested included."""
+    loop_op = torch.ops.higher_order.while_loop
+    return any(node.op == "call_function" and node.target is loop_op
+               for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes)
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+    """Inductor, with its C++ wrapper for CPU graphs that hold a ``while_loop``.
+
+    Inductor runs a compiled ``while_loop`` from its wrapper, which allocates every buffer of the
+    body on every trip; its default Python wrapper spends about a third of a NUTS trip on that
+    at 64 chains x 50 dimensions (measured: 270 -> 211 us per trip with the C++ wrapper, the
+    same draws). Graphs without a data-dependent loop (Langevin, MALA, HMC with a fixed length)
+    gain nothing from it (W1, W3 measured equal) and keep the faster-compiling Python wrapper.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(_COMPILE_OPTIONS)
+    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
+    if on_cpu and _has_while_loop(gm):
+        patches["cpp_wrapper"] = True
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
 def code_key(fn: Any, _depth: int = 0) -> Hashable:
     """What identifies a callable's *code and static configuration*, not its values: partials by
     their function and arguments, functions by their code object and closure, bound methods by
@@ -215,8 +241,8 @@ class RunnerCache:
         with self._lock:
             run = self._runners.pop(key, None)
             if run is None:
-                options = _COMPILE_OPTIONS if self.backend == "inductor" else None
-                run = torch.compile(_fresh(_chunk), fullgraph=True, backend=self.backend, options=options)
+                backend = _inductor if self.backend == "inductor" else self.backend
+                run = torch.compile(_fresh(_chunk), fullgraph=True, backend=backend)
             self._runners[key] = run
             while len(self._runners) > self.maxsize:
                 self._runners.popitem(last=False)
