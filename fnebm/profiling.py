@@ -46,7 +46,7 @@ from fnebm import _checks
 from fnebm import random as fr
 from fnebm.chain import ChainState, RunnerCache, sample_chain
 from fnebm.chain import init as chain_init
-from fnebm.chain.runner import code_key
+from fnebm.chain.runner import code_key, inductor_backend
 from fnebm.gradients import value_and_grad
 from fnebm.samplers.base import SamplingAlgorithm, over_batch
 
@@ -269,7 +269,6 @@ def _probe(step: Callable, chain: ChainState, energy: Any, n: int) -> _Probe:
 
 # ------------------------------------------------------------------ the pieces, timed alone
 
-_SCAN_CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__}}
 _IDS = itertools.count()
 _PIECES: OrderedDict[Any, Callable] = OrderedDict()
 _PIECES_MAX = 32
@@ -288,8 +287,9 @@ def _compiled(key: Any, make: Callable[[], Callable], backend: Any) -> Callable:
     with _LOCK:
         fn = _PIECES.pop((key, backend), None)
         if fn is None:
-            options = _SCAN_CACHEABLE if backend == "inductor" else None
-            fn = torch.compile(_fresh(make()), fullgraph=True, backend=backend, options=options)
+            # Inductor as sample_chain compiles it (cacheable loops, the C++ wrapper for while_loops)
+            fn = torch.compile(_fresh(make()), fullgraph=True,
+                               backend=inductor_backend if backend == "inductor" else backend)
         _PIECES[(key, backend)] = fn
         while len(_PIECES) > _PIECES_MAX:
             _PIECES.popitem(last=False)

@@ -387,7 +387,7 @@ def test_acceptance_summary_reads_the_nuts_fields():
 
 def test_inductor_gets_its_cpp_wrapper_for_graphs_with_a_while_loop(monkeypatch):
     # the runner's backend hands Inductor cpp_wrapper=True for a CPU graph holding a while_loop
-    # (NUTS: the Python wrapper's per-trip allocations were a third of a trip), and not otherwise
+    # (NUTS: the Python wrapper's per-trip allocations were a fifth of a trip), and not otherwise
     import torch._inductor.compile_fx as cfx
 
     from fnebm._control import while_loop
@@ -409,7 +409,7 @@ def test_inductor_gets_its_cpp_wrapper_for_graphs_with_a_while_loop(monkeypatch)
 
     for fn, expected in ((looped, True), (plain, False)):
         torch._dynamo.reset()
-        out = torch.compile(fn, fullgraph=True, backend=runner._inductor)(torch.ones(3))
+        out = torch.compile(fn, fullgraph=True, backend=runner.inductor_backend)(torch.ones(3))
         assert torch.equal(out, fn(torch.ones(3)))
         assert seen[-1].get("cpp_wrapper", False) is expected, seen[-1]
         assert "unsafe_marked_cacheable_functions" in seen[-1]

@@ -42,13 +42,13 @@ def _has_while_loop(gm: torch.fx.GraphModule) -> bool:
                for node in module.graph.nodes)
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+def inductor_backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     """Inductor, with its C++ wrapper for CPU graphs that hold a ``while_loop``.
 
     Inductor runs a compiled ``while_loop`` from its wrapper, which allocates every buffer of the
-    body on every trip; its default Python wrapper spends about a third of a NUTS trip on that
+    body on every trip; with its default Python wrapper that was about a fifth of a NUTS trip
     at 64 chains x 50 dimensions (measured: 270 -> 211 us per trip with the C++ wrapper, the
-    same draws). Graphs without a data-dependent loop (Langevin, MALA, HMC with a fixed length)
+    same draws). ``sample_chain``'s runners and ``profile_sampling``'s pieces compile through it. Graphs without a data-dependent loop (Langevin, MALA, HMC with a fixed length)
     gain nothing from it (W1, W3 measured equal) and keep the faster-compiling Python wrapper.
     """
     from torch._inductor.compile_fx import compile_fx
@@ -241,7 +241,7 @@ class RunnerCache:
         with self._lock:
             run = self._runners.pop(key, None)
             if run is None:
-                backend = _inductor if self.backend == "inductor" else self.backend
+                backend = inductor_backend if self.backend == "inductor" else self.backend
                 run = torch.compile(_fresh(_chunk), fullgraph=True, backend=backend)
             self._runners[key] = run
             while len(self._runners) > self.maxsize:

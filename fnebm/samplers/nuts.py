@@ -252,13 +252,11 @@ def build_kernel(
 
             # checkpoints at even steps, in slot popcount(n); slot 0 (n = 0) is also kept whole
             bits_n, bits_next = _popcount(n), _popcount(n + 1)
-            at = active & (n % 2 == 0)
-            write_cks = at & (slot == bits_n)
+            write_cks = active & (n % 2 == 0) & (slot == bits_n)
             write = wide(write_cks)
-            new_e = y  # S - r / 2 at the checkpoint itself
             v_ck = torch.where(write, nv, v_ck)
-            e_ck = torch.where(write, new_e, e_ck)
-            a_ck = torch.where(write_cks, _dot(nv, new_e), a_ck)
+            e_ck = torch.where(write, y, e_ck)  # at the checkpoint itself, y is its e = S - r / 2
+            a_ck = torch.where(write_cks, _dot(nv, y), a_ck)
             at0 = wide(active & first)
             r0, v0 = torch.where(at0, np_, r0), torch.where(at0, nv, v0)
             q0, w0 = torch.where(at0, p, q0), torch.where(at0, v, w0)
@@ -276,7 +274,7 @@ def build_kernel(
                 prev = (bits_n - 1).clamp_min(0).reshape((1,) + tuple(batch) + (1,) * n_event)
                 prev = prev.expand((1,) + tuple(x0.shape))
                 v_a, e_a = v_ck.gather(0, prev)[0], e_ck.gather(0, prev)[0]
-                rho_ab = new_e - e_a
+                rho_ab = y - e_a
                 pair = ((_dot(v_a, rho_ab) <= 0) | (_dot(nv, rho_ab) <= 0)).to(dtype)
                 new_f = np_ - sub_sum + 0.5 * p  # r - S + q / 2
                 w_ck = torch.where(write, v, w_ck)
