@@ -65,7 +65,7 @@ def main():
     key = fr.key(1)
     print(f"{a.chains} chains x {a.steps} steps, 10-D double well; warm medians of {a.repeats}")
     for name, (step, state) in variants.items():
-        run = lambda: fnebm.sample_chain(step, state, key, a.steps, progress=False)  # noqa: E731
+        run = lambda: fnebm.sample_chain(step, state, key, a.steps, compile=True, progress=False)  # noqa: E731
         t0 = time.perf_counter()
         run()
         cold = time.perf_counter() - t0

@@ -316,11 +316,11 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
         num = _checks.check_int("num", num, 1)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
-    even = torch.stack((w0, w2), dim=1).flatten(0, 1)[:num]  # (num, *batch): first words
-    odd = torch.stack((w1, w3), dim=1).flatten(0, 1)[:num]
     # (2, num, *batch) in memory, (*batch, num, 2) to the caller: one word of one key index
     # is contiguous across the batch, so kernels that use key i of every chain load vectors.
-    words = torch.stack((even, odd), dim=0)
+    # words[0] holds the first words (w0, w2 of each block in turn), words[1] the second ones;
+    # one stack, so compiled code writes the Philox words in place rather than copying them.
+    words = torch.stack((w0, w2, w1, w3), dim=0).unflatten(0, (2, 2)).transpose(1, 2).flatten(1, 2)[:, :num]
     n_batch = key.ndim - 1
     return words.permute(*range(2, 2 + n_batch), 1, 0)
 

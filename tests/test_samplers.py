@@ -177,3 +177,32 @@ def test_step_size_as_tensor_is_accepted(target):
     alg = fnebm.mala(target, torch.tensor(0.1))
     state, _ = alg.step(alg.init(torch.zeros(2, dtype=F64)), fr.key(0))
     assert state.position.shape == (2,)
+
+
+_compiled_all_finite = None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 63), st.integers(0, 2),
+                          st.sampled_from([math.inf, -math.inf, math.nan, 3.0e38])), max_size=12))
+def test_all_finite_is_an_all_of_isfinite_eager_and_compiled(spots):
+    # the samplers' divergence check is a max-of-|.| float reduction (it compiles to plain vector
+    # code on CPU); it must say exactly what isfinite says, NaN and -inf included, compiled too
+    global _compiled_all_finite
+    from fnebm.samplers.base import all_finite, event_all
+
+    if _compiled_all_finite is None:
+        _compiled_all_finite = torch.compile(lambda s, a, b: all_finite(s, a, b, n_batch=1), fullgraph=True)
+    s, a, b = torch.randn(64), torch.randn(64, 3), torch.randn(64, 3)
+    for which, chain, j, value in spots:
+        if which == 0:
+            s[chain] = value
+        else:
+            (a, b)[which - 1][chain, j] = value
+    want = s.isfinite() & event_all(a.isfinite() & b.isfinite(), 1)
+    assert torch.equal(all_finite(s, a, b, n_batch=1), want)
+    assert torch.equal(_compiled_all_finite(s, a, b), want)
+    # several chain axes, and no event tensors at all
+    assert torch.equal(all_finite(s.reshape(8, 8), a.reshape(8, 8, 3), n_batch=2),
+                       (s.isfinite() & event_all(a.isfinite(), 1)).reshape(8, 8))
+    assert torch.equal(all_finite(s, n_batch=1), s.isfinite())

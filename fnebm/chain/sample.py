@@ -388,7 +388,8 @@ def sample_chain(
                 bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
                 continue
             if bufs is None:  # allocated once, filled chunk by chunk
-                bufs = [torch.empty_like(w, device=device) for w in pytree.tree_leaves(expected)]
+                # torch.empty, not empty_like: the meta tensors' layout rules load sympy (0.5 s)
+                bufs = [torch.empty(w.shape, dtype=w.dtype, device=device) for w in pytree.tree_leaves(expected)]
             for buf, x in zip(bufs, outs):
                 buf[k.j0 : k.j1].copy_(x[k.lo : k.hi : thin])
     finally:

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from statistics import NormalDist
 from typing import Any, BinaryIO, NamedTuple
@@ -994,8 +995,17 @@ def _sample(args: argparse.Namespace) -> int:
     return run_launched(args.device, lambda where: _sample_on(args, where))
 
 
+def _import_plotting() -> None:
+    import matplotlib.figure  # noqa: F401
+    from matplotlib.backends import backend_agg  # noqa: F401
+
+
 def _sample_on(args: argparse.Namespace, where: Launch) -> int:
     cfg = agree(where, lambda: _config(args, where))
+    if cfg.plot is not None and cfg.rank == 0:
+        # matplotlib takes 0.3-0.5 s to import: do it on the idle core while the chains run
+        # (an eager run leaves it idle; Python's import lock makes plot() wait for it if needed)
+        threading.Thread(target=_import_plotting, name="fnebm-import-matplotlib", daemon=True).start()
     summary, positions, energies, target = _run(cfg)
     if cfg.rank == 0:  # rank 0 prints (and writes) for every rank
         print("\n".join(format_summary(summary)), flush=True)

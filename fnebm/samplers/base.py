@@ -20,6 +20,7 @@ casts them to the state's dtype and device, so one compiled graph serves every v
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "over_batch",
     "event_sum",
     "event_all",
+    "all_finite",
     "chain_axes",
     "per_chain",
     "check_energy",
@@ -81,6 +83,24 @@ def event_sum(x: Tensor, n_batch: int) -> Tensor:
 def event_all(x: Tensor, n_batch: int) -> Tensor:
     """``all`` over every axis after the first ``n_batch``: ``(*batch, *event) -> batch``."""
     return x.reshape(x.shape[:n_batch] + (-1,)).all(-1)
+
+
+def all_finite(scalar: Tensor, *events: Tensor, n_batch: int) -> Tensor:
+    """Per chain, whether ``scalar: batch`` and every entry of each ``events`` tensor
+    ``(*batch, *event)`` (all of one event shape) are finite: ``batch`` bools.
+
+    Computed as ``max |.| < inf`` (``maximum`` and ``amax`` propagate NaN, and NaN compares
+    False), not as an ``all`` of ``isfinite`` masks: the same answer, but float reductions
+    compile to plain vector code, where Inductor's CPU code for bool-mask reductions converts
+    masks lane by lane (a 10,000 x 10 Langevin step: about 50 us of 580; docs/performance.md).
+    """
+    m = scalar.abs()
+    if events and math.prod(events[0].shape[n_batch:]) > 0:
+        big = events[0].abs()
+        for t in events[1:]:
+            big = torch.maximum(big, t.abs())
+        m = torch.maximum(m, big.reshape(big.shape[:n_batch] + (-1,)).amax(-1))
+    return m < math.inf
 
 
 def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:

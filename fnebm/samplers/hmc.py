@@ -23,7 +23,7 @@ from fnebm.samplers.base import (
     chain_axes,
     check_energy,
     init_position_state,
-    event_all,
+    all_finite,
     over_batch,
     per_chain,
 )
@@ -131,7 +131,7 @@ def build_transition(
             end = _masked_trajectory(start, n, h, vg, metric.velocity, integrator, len(batch))
         h0 = state.energy + metric.kinetic_energy(p0)
         h1 = end.energy + metric.kinetic_energy(end.momentum)
-        finite = h1.isfinite() & event_all(end.grad.isfinite() & end.position.isfinite(), len(batch))
+        finite = all_finite(h1, end.grad, end.position, n_batch=len(batch))
         error = torch.where(finite, h1 - h0, torch.full_like(h1, torch.inf))
         ok = finite & (error <= divergence_threshold)
         decision = metropolis_hastings(keys[..., 1, :], -error, ok)

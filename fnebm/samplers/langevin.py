@@ -21,7 +21,7 @@ from fnebm.samplers.base import (
     chain_axes,
     check_energy,
     init_position_state,
-    event_all,
+    all_finite,
     over_batch,
     per_chain,
 )
@@ -72,7 +72,7 @@ def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:
         sigma = per_chain("noise_scale", noise_scale, batch, x)
         proposal = euler_maruyama(x, state.grad, h, fr.normal(key, x.shape[len(batch):], x.dtype), sigma)
         energy, grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
-        finite = energy.isfinite() & event_all(grad.isfinite() & proposal.isfinite(), len(batch))
+        finite = all_finite(energy, grad, proposal, n_batch=len(batch))
         new = select(finite, LangevinState(proposal, energy, grad), state)
         return LangevinState(*new), LangevinInfo(is_divergent=~finite)
 

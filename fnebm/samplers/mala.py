@@ -21,7 +21,7 @@ from fnebm.samplers.base import (
     chain_axes,
     check_energy,
     init_position_state,
-    event_all,
+    all_finite,
     event_sum,
     over_batch,
     per_chain,
@@ -97,7 +97,7 @@ def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
         proposal = euler_maruyama(x, grad, h, fr.normal(keys[..., 0, :], x.shape[len(batch):], x.dtype))
         new_energy, new_grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
         log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, h.reshape(h.shape[:len(batch)]))
-        finite = new_energy.isfinite() & event_all(new_grad.isfinite(), len(batch))
+        finite = all_finite(new_energy, new_grad, n_batch=len(batch))
         decision = metropolis_hastings(keys[..., 1, :], log_alpha, finite)
         new = select(decision.is_accepted, MALAState(proposal, new_energy, new_grad), state)
         return MALAState(*new), MALAInfo(decision.acceptance_rate, decision.is_accepted, decision.is_divergent)

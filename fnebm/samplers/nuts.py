@@ -79,7 +79,7 @@ from fnebm.samplers.base import (
     SamplingAlgorithm,
     chain_axes,
     check_energy,
-    event_all,
+    all_finite,
     init_position_state,
     over_batch,
     per_chain,
@@ -235,7 +235,7 @@ def build_kernel(
             nx, np_, nu, ng = integrate(IntegratorState(x, p, u, g), wide(sign) * h, vg, metric.velocity, integrator)
             nv = metric.velocity(np_)
             nh = nu + 0.5 * _dot(np_, nv)
-            finite = nh.isfinite() & event_all(ng.isfinite() & nx.isfinite(), len(batch))
+            finite = all_finite(nh, ng, nx, n_batch=len(batch))
             delta = torch.where(finite, h0 - nh, torch.full_like(nh, -math.inf))  # log weight exp(-(H - H0))
             divergent = active & ~(finite & (-delta <= divergence_threshold))
             accept_sum = accept_sum + torch.where(active, torch.exp(torch.clamp_max(delta, 0.0)), 0.0)
