@@ -236,7 +236,7 @@ def _planar(lanes: Sequence[torch.Tensor], key: torch.Tensor, shape: tuple[int, 
     # Element i is lane i // m of block i % m (see the module docstring): stacking the four
     # (m, *batch) lanes gives (4 m, *batch) whose row i is element i.
     n, batch = math.prod(shape), key.shape[:-1]
-    out = torch.stack(tuple(lanes), dim=0).flatten(0, 1)[:n]
+    out = torch.cat(tuple(lanes), dim=0)[:n]
     return _batch_last_to_first(out.reshape(shape + batch), len(batch))
 
 
@@ -246,6 +246,12 @@ def _as_shape(shape) -> tuple[int, ...]:
 
 def _check_float(dtype: torch.dtype) -> None:
     _checks.check_float_dtype("dtype", dtype)
+
+
+def _lanes_used(shape: tuple[int, ...], n_blocks: int) -> int:
+    # element i is lane i // n_blocks: lanes past the last element are never read (a draw of
+    # one number per chain uses one word of its block; the others need not be converted)
+    return -(-math.prod(shape) // n_blocks) if n_blocks else 1
 
 
 def bits(key: torch.Tensor, shape: int | Sequence[int] = ()) -> torch.Tensor:
@@ -274,7 +280,8 @@ def uniform(
     _check_float(dtype)
     shape = _as_shape(shape)
     n_blocks = -(-math.prod(shape) // 4)
-    u = _planar([_to_unit(w, dtype) for w in _blocks(key, n_blocks)], key, shape)
+    words = _blocks(key, n_blocks)[: _lanes_used(shape, n_blocks)]
+    u = _planar([_to_unit(w, dtype) for w in words], key, shape)
     if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
         return u
     return minval + (maxval - minval) * u
@@ -287,13 +294,15 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     n_blocks = -(-math.prod(shape) // 4)
     # Box–Muller in at least float32, as Triton computes it.
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    u0, u1, u2, u3 = (_to_unit(w, work) for w in _blocks(key, n_blocks))
+    words = _blocks(key, n_blocks)
+    used = _lanes_used(shape, n_blocks)
     lanes = []
-    for a, b in ((u0, u1), (u2, u3)):
+    for i in range(0, used, 2):  # Box–Muller pairs (lanes 0, 1) and (2, 3), as far as they are used
+        a, b = _to_unit(words[i], work), _to_unit(words[i + 1], work)
         r = torch.sqrt(-2.0 * torch.log(torch.clamp_min(a, _NORMAL_FLOOR)))
         th = (2 * math.pi) * b
         lanes += [r * torch.cos(th), r * torch.sin(th)]
-    return _planar(lanes, key, shape).to(dtype)
+    return _planar(lanes[:used], key, shape).to(dtype)
 
 
 def bernoulli(key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: int | Sequence[int] | None = None) -> torch.Tensor:
