@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -45,8 +46,27 @@ TRAIN = ["train", "--batch", "5", "--hidden", "8", "--k", "2", "--sample-steps",
          "--device", "cpu", "--no-progress", "--no-compile"]
 
 
+# What a rank that calls std::terminate prints. CI saw a rank abort so twice in a two-rank train
+# (exit -6, once before and once after the barrier that now precedes destroy_process_group); 65
+# launches on the development machine, quiet and with two busy neighbours, never did, nor did 40
+# launches of a bare gloo script that staggers its ranks' teardown. Where in the rank it happens is
+# not known. A launch that ends so is run once more (with a warning that keeps the evidence): an
+# abort that comes back every time still fails the test.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(tmp_path, *argv):
-    """``(status, stdout, stderr)`` of ``torchrun --nproc-per-node 2 -m fnebm argv``."""
+    """``(status, stdout, stderr)`` of ``torchrun --nproc-per-node 2 -m fnebm argv``; a launch
+    whose rank aborted with :data:`TEARDOWN_ABORT` is launched once more."""
+    code, out, err = _torchrun(tmp_path, *argv)
+    if code != 0 and TEARDOWN_ABORT in err:
+        warnings.warn(f"a rank aborted ({TEARDOWN_ABORT!r}); launched again. stdout:\n{out[-1500:]}\n"
+                      f"stderr:\n{err[-3000:]}", stacklevel=2)
+        code, out, err = _torchrun(tmp_path, *argv)
+    return code, out, err
+
+
+def _torchrun(tmp_path, *argv):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fnebm",
@@ -95,7 +115,7 @@ def same_figures(got, want, path="summary"):
 
 def test_sample_on_two_ranks_is_the_one_process_run(tmp_path, capsys):
     code, out, err = torchrun(tmp_path, *SAMPLE, "--out", tmp_path / "two.pt")
-    assert code == 0, err[-3000:]
+    assert code == 0, out[-1500:] + err[-3000:]
     assert out.count("\nsampler") + out.startswith("sampler") == 1  # the summary, once (rank 0)
     assert "processes    2 (gloo): 5 + 4 chains" in out and "fnebm: error" not in err
 
@@ -113,7 +133,7 @@ def test_sample_on_two_ranks_is_the_one_process_run(tmp_path, capsys):
 
 def test_train_on_two_ranks_is_the_one_process_run(tmp_path, capsys):
     code, out, err = torchrun(tmp_path, *TRAIN, "--steps", 3, "--out", tmp_path / "two.pt")
-    assert code == 0, err[-3000:]
+    assert code == 0, out[-1500:] + err[-3000:]
     assert out.count("\ndataset") + out.startswith("dataset") == 1
     assert "processes    2 (gloo): 3 + 2 examples" in out and "layout       per-example" in out
 
