@@ -8,6 +8,7 @@ code generation); test_chain.py runs Inductor itself.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import pytest
@@ -115,7 +116,7 @@ def test_compiled_equals_eager_and_new_values_do_not_recompile(name, counted):
 
 
 @samplers
-def test_traces_with_fullgraph_in_a_users_compiled_function(name):
+def test_traces_with_fullgraph_in_a_users_compiled_function(name, monkeypatch):
     entry = SAMPLERS[name]
     counter = CompileCounterWithBackend("aot_eager")
 
@@ -125,13 +126,20 @@ def test_traces_with_fullgraph_in_a_users_compiled_function(name):
 
     compiled = torch.compile(run, fullgraph=True, backend=counter)
     frames = None
-    for i in range(3):
-        args = (MEAN * i, {k: torch.tensor(v * (1 + i), dtype=F64) for k, v in entry.tunables.items()},
-                fr.normal(fr.key(i), (8, 2), F64), fr.split(fr.key(9 + i), 8))
-        assert_same(compiled(*args), run(*args), tol=1e-9)
-        frames = counter.frame_count if frames is None else frames
-        assert counter.frame_count == frames, "new argument values recompiled"
+    # Dynamo says each of its warnings once per process: start from none said, and let none name
+    # fnebm's code (the constructors once met an lru_cache wrapper there: "Dynamo detected a call")
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            args = (MEAN * i, {k: torch.tensor(v * (1 + i), dtype=F64) for k, v in entry.tunables.items()},
+                    fr.normal(fr.key(i), (8, 2), F64), fr.split(fr.key(9 + i), 8))
+            assert_same(compiled(*args), run(*args), tol=1e-9)
+            frames = counter.frame_count if frames is None else frames
+            assert counter.frame_count == frames, "new argument values recompiled"
     assert any(len(g.graph.nodes) > 100 for g in counter.graphs)  # the chain is in a graph, not run eagerly
+    ours = [str(w.message) for w in caught if "fnebm" in str(w.message) or "/fnebm/" in w.filename]
+    assert not ours, ours[0]
 
 
 @samplers

@@ -52,6 +52,31 @@ class SamplingAlgorithm(NamedTuple):
     step: Callable[[Any, Tensor], tuple[Any, Any]]
 
 
+class KernelCache:
+    """``build(*config)`` built once per configuration (an integrator's coefficients, a
+    threshold: hashable constants): the runner cache keys compiled graphs by the kernel's code
+    and closure constants, so equal configurations share one kernel object and one graph.
+
+    Not ``functools.cache``: a constructor called inside a user's ``torch.compile`` region
+    (``window_adaptation`` builds its sampler there) is traced by Dynamo, which warns on every
+    ``lru_cache`` wrapper it meets and traces through it anyway. Under Dynamo the kernel is
+    built afresh, as it was then: a lookup would make the graph guard on the dict, and the
+    first call, which fills it, would compile twice.
+    """
+
+    def __init__(self, build: Callable[..., Callable]):
+        self.build = build
+        self.kernels: dict[tuple, Callable] = {}
+
+    def __call__(self, *config: Any) -> Callable:
+        if torch.compiler.is_compiling():
+            return self.build(*config)
+        kernel = self.kernels.get(config)
+        if kernel is None:
+            kernel = self.kernels[config] = self.build(*config)
+        return kernel
+
+
 def over_batch(fn: Callable, n_batch: int) -> Callable:
     """``fn`` of one sample mapped over ``n_batch`` leading axes (nested ``vmap``)."""
     for _ in range(n_batch):

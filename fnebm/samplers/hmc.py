@@ -19,6 +19,7 @@ from fnebm._control import while_loop
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
+    KernelCache,
     SamplingAlgorithm,
     chain_axes,
     check_energy,
@@ -170,9 +171,8 @@ def _masked_trajectory(start: IntegratorState, n: Tensor, h: Tensor, vg, velocit
     return IntegratorState(x, p, e, g)
 
 
-# one kernel object per (integrator, threshold), built once: the runner cache keys compiled
-# graphs by the kernel's code and closure constants, so equal configurations share a graph
-_kernel_for = functools.cache(build_kernel)
+# one kernel object per (integrator, threshold), built once (equal configurations share a graph)
+_kernel_for = KernelCache(build_kernel)
 
 
 def hmc(

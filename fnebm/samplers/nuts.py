@@ -76,6 +76,7 @@ from fnebm.gradients import value_and_grad
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
+    KernelCache,
     SamplingAlgorithm,
     chain_axes,
     check_energy,
@@ -339,9 +340,8 @@ def build_kernel(
     return kernel
 
 
-# one kernel object per (integrator, threshold), built once: the runner cache keys compiled
-# graphs by the kernel's code and closure constants, so equal configurations share a graph
-_kernel_for = functools.cache(build_kernel)
+# one kernel object per (integrator, threshold), built once (equal configurations share a graph)
+_kernel_for = KernelCache(build_kernel)
 
 
 def nuts(
