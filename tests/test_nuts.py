@@ -407,12 +407,20 @@ def test_inductor_gets_its_cpp_wrapper_for_graphs_with_a_while_loop(monkeypatch)
     def plain(x):
         return x * 2.0
 
-    for fn, expected in ((looped, True), (plain, False)):
-        torch._dynamo.reset()
-        out = torch.compile(fn, fullgraph=True, backend=runner.inductor_backend)(torch.ones(3))
-        assert torch.equal(out, fn(torch.ones(3)))
-        assert seen[-1].get("cpp_wrapper", False) is expected, seen[-1]
-        assert "unsafe_marked_cacheable_functions" in seen[-1]
+    # and, where OpenMP's threads sleep at barriers (fnebm's default policy), serial code for the
+    # loop (a NUTS trip: 3x faster than parallel on an idle machine); spinning threads keep it parallel
+    for policy in ("PASSIVE", "active", None):
+        if policy is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        for fn, looping in ((looped, True), (plain, False)):
+            torch._dynamo.reset()
+            out = torch.compile(fn, fullgraph=True, backend=runner.inductor_backend)(torch.ones(3))
+            assert torch.equal(out, fn(torch.ones(3)))
+            assert seen[-1].get("cpp_wrapper", False) is looping, seen[-1]
+            assert seen[-1].get("cpp.threads") == (1 if looping and policy == "PASSIVE" else None), (policy, seen[-1])
+            assert "unsafe_marked_cacheable_functions" in seen[-1]
 
 
 @pytest.mark.compile

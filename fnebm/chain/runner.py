@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import types
 from collections import OrderedDict
@@ -57,7 +58,25 @@ def inductor_backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
     if on_cpu and _has_while_loop(gm):
         patches["cpp_wrapper"] = True
+        if _passive_openmp():
+            patches["cpp.threads"] = 1
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _passive_openmp() -> bool:
+    """Whether OpenMP's waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``: ``import fnebm``
+    before torch, and the ``fnebm`` command, set it unless the user did).
+
+    A NUTS trip is a dozen short parallel loops, each ending at a barrier, and threads that
+    sleep at every barrier made it 3x slower than serial code. Measured with
+    ``bench/nuts_trip.py`` (64 chains x 50-D, two threads, passive, runs alternated), per trip:
+    691-694 us parallel against 216-228 us serial on an idle machine, 278-281 against 221-227
+    beside one busy process. So under that policy a graph holding a ``while_loop`` is
+    generated serial. Threads that spin (libgomp's default, or ``OMP_WAIT_POLICY=ACTIVE``) run
+    the parallel loop faster on an idle machine (175-196 us) and 3x slower beside a busy
+    process (659 us); that choice is the user's, and the graph stays parallel.
+    """
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def code_key(fn: Any, _depth: int = 0) -> Hashable:
