@@ -47,7 +47,7 @@ TRAIN = ["train", "--batch", "5", "--hidden", "8", "--k", "2", "--sample-steps",
 
 
 # What a rank that calls std::terminate prints. CI saw a rank abort so twice in a two-rank train
-# (exit -6, once before and once after the barrier that now precedes destroy_process_group); 65
+# (exit -6, once before and once after the barrier that now precedes destroy_process_group); 61
 # launches on the development machine, quiet and with two busy neighbours, never did, nor did 40
 # launches of a bare gloo script that staggers its ranks' teardown. Where in the rank it happens is
 # not known. A launch that ends so is run once more (with a warning that keeps the evidence): an
