@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from statistics import NormalDist
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -450,6 +450,7 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     ramp = _ramp(cfg.burn_in, bool(cfg.adapt), cfg.energy)
     rest = cfg.burn_in - sum(n for _, n in ramp)
     calls = _Calls(cfg, cfg.burn_in + cfg.steps)
+    plotting = _PlottingImport(cfg)
     chain, key = state, fdist.local_keys(run_key, cfg.chains) if sharded else run_key
     t0 = time.perf_counter()
     try:
@@ -462,12 +463,13 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         chain, (positions, energies), info = fnebm.sample_chain(
             alg.step, chain, key, cfg.steps, burn_in=rest, thin=cfg.thin, collect=_collect,
             chunk_size=_chunk_size(rest + cfg.steps), compile=cfg.compile, progress=False,
-            on_plan=calls.on_plan, on_chunk=calls.on_chunk,
+            on_plan=plotting.after(calls.on_plan), on_chunk=calls.on_chunk,
         )
         _sync(device)
     finally:
         calls.close()
     wall = time.perf_counter() - t0
+    plotting.start()  # if it has not started: the summary's diagnostics come next
     compile_s = calls.compile_s()
     if compile_s is not None and cfg.rank == 0:
         record_compile_time(_graph_name(cfg), compile_s)
@@ -1000,12 +1002,43 @@ def _import_plotting() -> None:
     from matplotlib.backends import backend_agg  # noqa: F401
 
 
+class _PlottingImport:
+    """Imports matplotlib (0.6 s on a 2-core AMD EPYC) on a thread while the run does other work,
+    where a plot is asked for (rank 0); ``plot`` then finds it imported, or waits on Python's
+    import lock.
+
+    When: once the last ``sample_chain`` call has planned, if its chains run compiled (or in a
+    Triton kernel: either leaves the GIL free); otherwise once the sampling is done, beside the
+    summary's diagnostics (torch ops, which release the GIL). Never before the last plan:
+    ``compile="auto"`` times eager steps to decide, and beside the importing thread a step of
+    the demo looked 56-86 ms instead of 3.5 ms, so the demo compiled for 37 s instead of sampling
+    eagerly for 2 s. Nor beside eager steps: they hold the GIL, and the demo's 2.06 s of eager
+    sampling took 2.89 s with the import beside it. Nor with ``--profile``, which times steps after
+    the summary.
+    """
+
+    def __init__(self, cfg: Config):
+        self.wanted = cfg.plot is not None and cfg.rank == 0 and not cfg.profile
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.wanted and self.thread is None:
+            self.thread = threading.Thread(target=_import_plotting, name="fnebm-import-matplotlib", daemon=True)
+            self.thread.start()
+
+    def after(self, on_plan: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``on_plan`` of the last call: it starts the import if that call's chains leave the GIL free."""
+
+        def plan_then_import(plan: Any) -> None:
+            on_plan(plan)
+            if plan.compiled or getattr(plan, "kernel", False):
+                self.start()
+
+        return plan_then_import
+
+
 def _sample_on(args: argparse.Namespace, where: Launch) -> int:
     cfg = agree(where, lambda: _config(args, where))
-    if cfg.plot is not None and cfg.rank == 0:
-        # matplotlib takes 0.3-0.5 s to import: do it on the idle core while the chains run
-        # (an eager run leaves it idle; Python's import lock makes plot() wait for it if needed)
-        threading.Thread(target=_import_plotting, name="fnebm-import-matplotlib", daemon=True).start()
     summary, positions, energies, target = _run(cfg)
     if cfg.rank == 0:  # rank 0 prints (and writes) for every rank
         print("\n".join(format_summary(summary)), flush=True)
