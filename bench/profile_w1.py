@@ -1,6 +1,6 @@
 """Where W1's time goes: the full Langevin chain against its parts, each as its own scan.
 
-    python bench/profile_w1.py [--chains 10000] [--steps 100] [--repeats 7]
+    python bench/profile_w1.py [--chains 10000] [--steps 100] [--repeats 7] [--reuse-freed-memory]
 
 Each variant is a batched step function ``step(state, keys: (chains, 2))`` (it takes every
 chain's key at once, as fnebm's samplers do) run by fnebm.sample_chain (compiled, warm
@@ -31,7 +31,11 @@ def main():
     p.add_argument("--chains", type=int, default=10_000)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--reuse-freed-memory", action="store_true",
+                   help="call fnebm.reuse_freed_memory() first: each trace reuses the freed pages of the last")
     a = p.parse_args()
+    if a.reuse_freed_memory:
+        fnebm.reuse_freed_memory()
     e = energies.double_well(2.0, 1.0)
     eta, scale = 0.01, math.sqrt(2 * 0.01)
     x0 = fr.normal(fr.key(0), (a.chains, 10))
@@ -63,7 +67,8 @@ def main():
         "copy only (loop + trajectory)": (copy_only, S(x0, torch.zeros(a.chains))),
     }
     key = fr.key(1)
-    print(f"{a.chains} chains x {a.steps} steps, 10-D double well; warm medians of {a.repeats}")
+    print(f"{a.chains} chains x {a.steps} steps, 10-D double well; warm medians of {a.repeats}"
+          + ("; freed memory reused" if a.reuse_freed_memory else ""))
     for name, (step, state) in variants.items():
         run = lambda: fnebm.sample_chain(step, state, key, a.steps, compile=True, progress=False)  # noqa: E731
         t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """fnebm side by side with its peers, in one process run.
 
     python bench/run.py [--quick] [--repeats N] [--json PATH] [--only W1,W1out,W2,W3,W4,W5,W6,RNG] [--fresh-cache]
+                        [--reuse-freed-memory]
 
 Workloads (fixed, so that runs compare over time):
   W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
@@ -818,6 +819,10 @@ def main(argv=None):
     )
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty Inductor cache")
+    parser.add_argument("--reuse-freed-memory", action="store_true",
+                        help="call fnebm.reuse_freed_memory() first: freed blocks up to 1 GiB stay mapped in "
+                             "this process, for every implementation (the peers included), so a new trace "
+                             "finds its pages mapped")
     args = parser.parse_args(argv)
     if args.json is None:
         args.json = "bench/results-quick.json" if args.quick else "bench/results.json"
@@ -838,6 +843,7 @@ def main(argv=None):
         inductor_cache="fresh" if args.fresh_cache else "machine",
         load_before=_load(),
         inductor_vec_isa=_vec_isa(),
+        reuse_freed_memory=fnebm.reuse_freed_memory() if args.reuse_freed_memory else False,
     )
     for mod in ("jax", "blackjax", "torchebm"):
         try:
@@ -846,7 +852,8 @@ def main(argv=None):
             machine[mod] = None
     print(f"torch {machine['torch']}, {machine['threads']} threads, {machine['cores']} cores, "
           f"Inductor ISA {machine['inductor_vec_isa'] or 'none'}, load {machine['load_before']}; "
-          f"{args.repeats} warm rounds, interleaved")
+          f"{args.repeats} warm rounds, interleaved"
+          + ("; freed memory reused (fnebm.reuse_freed_memory, every row)" if machine["reuse_freed_memory"] else ""))
     if machine["inductor_vec_isa"] in ("", "INVALID_VEC_ISA"):
         print("warning: Inductor found no usable vector ISA: fnebm's compiled CPU code will be scalar "
               "and the figures will not represent it")

@@ -20,6 +20,7 @@ from fnebm.chain import ChainState, sample_chain  # noqa: E402
 from fnebm.gradients import score, value_and_grad  # noqa: E402
 from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains  # noqa: E402
 from fnebm import datasets, losses  # noqa: E402
+from fnebm.memory import reuse_freed_memory  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "nuts",
     "datasets",
     "losses",
+    "reuse_freed_memory",
 ]
 from fnebm import distributed  # noqa: E402  (chains across processes; the identity in one)
 from fnebm.profiling import SamplingProfile, profile_sampling  # noqa: E402  (times a run; above chain)

@@ -1,0 +1,77 @@
+"""Keep freed memory in the process, so that a new trace reuses pages that are already mapped.
+
+A sampling run returns its trace in a fresh buffer (W1's is 40 MB). glibc's ``malloc`` maps a
+block that large afresh from the kernel on every call and gives it back when it is freed, so
+every call touches new pages: one page fault per 4 KiB, the kernel zeroing each page. On a
+2-core Intel Xeon that was 9-10 ms of W1's 39 ms (10,000 chains x 100 steps of 10-D Langevin:
+docs/performance.md, "Fresh pages"). A program that samples again and again (training with
+persistent chains, sweeps, benchmarks) pays it on every call.
+
+:func:`reuse_freed_memory` raises glibc's thresholds so that blocks up to a limit are taken
+from the heap and stay there when freed: the next call of the same size finds them mapped.
+It is a setting of the whole process (every library in it, the peers of a benchmark included)
+and an opt-in: nothing in fnebm calls it. The cost is memory: the process may keep up to
+``limit_bytes`` that it no longer uses instead of returning it to the system. The allocators
+that PyTorch's CPU tuning guide suggests (jemalloc, tcmalloc through ``LD_PRELOAD``) keep
+freed memory too, and this is the same idea without preloading anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import operator
+import sys
+
+__all__ = ["reuse_freed_memory"]
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the C library this process already uses
+        libc.gnu_get_libc_version  # noqa: B018  (musl and others lack it)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def reuse_freed_memory(limit_bytes: int = 2**30) -> bool:
+    """Let freed blocks of up to ``limit_bytes`` stay in the process for reuse (glibc ``malloc``).
+
+    Sets ``M_MMAP_THRESHOLD`` (blocks above it are still mapped and unmapped on their own) and
+    ``M_TRIM_THRESHOLD`` (free memory at the top of the heap is given back to the system only
+    beyond it) to ``limit_bytes``, as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in
+    the environment would, but from Python and at any time. It applies to the whole process
+    and cannot be undone in it; call it once, early, in a program that allocates large
+    tensors again and again.
+
+    Args:
+        limit_bytes: an int in ``[2**20, 2**31 - 1]`` (1 MiB to 2 GiB): the largest block kept,
+            and the most free memory the process keeps at the top of its heap. The default,
+            1 GiB, covers a trace of 10,000 chains x 1,000 steps x 25 float32 values.
+
+    Returns:
+        True where it was applied (Linux with glibc); False elsewhere (macOS, Windows, musl),
+        where nothing is changed.
+    """
+    if isinstance(limit_bytes, bool):
+        raise TypeError("limit_bytes must be an int, got bool")
+    try:
+        limit = operator.index(limit_bytes)
+    except TypeError:
+        raise TypeError(f"limit_bytes must be an int, got {type(limit_bytes).__name__}") from None
+    if not 2**20 <= limit <= 2**31 - 1:
+        raise ValueError(f"limit_bytes must be in [2**20, 2**31 - 1] (1 MiB to 2 GiB), got {limit}")
+    libc = _glibc()
+    if libc is None:
+        return False
+    # mallopt returns 1 on success; glibc refuses neither value in this range
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, limit))
