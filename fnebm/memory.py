@@ -10,8 +10,9 @@ persistent chains, sweeps, benchmarks) pays it on every call.
 :func:`reuse_freed_memory` raises glibc's thresholds so that blocks up to a limit are taken
 from the heap and stay there when freed: the next call of the same size finds them mapped.
 It is a setting of the whole process (every library in it, the peers of a benchmark included)
-and an opt-in: nothing in fnebm calls it. The cost is memory: the process may keep up to
-``limit_bytes`` that it no longer uses instead of returning it to the system. The allocators
+and an opt-in: nothing in fnebm calls it. The cost is memory: the process keeps memory it no
+longer uses instead of returning it to the system (up to ``limit_bytes`` free at the top of its
+heap, more where freed blocks sit between live ones). The allocators
 that PyTorch's CPU tuning guide suggests (jemalloc, tcmalloc through ``LD_PRELOAD``) keep
 freed memory too, and this is the same idea without preloading anything.
 """
@@ -19,9 +20,9 @@ freed memory too, and this is the same idea without preloading anything.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import operator
 import sys
+
+from fnebm import _checks
 
 __all__ = ["reuse_freed_memory"]
 
@@ -49,9 +50,11 @@ def reuse_freed_memory(limit_bytes: int = 2**30) -> bool:
     Sets ``M_MMAP_THRESHOLD`` (blocks above it are still mapped and unmapped on their own) and
     ``M_TRIM_THRESHOLD`` (free memory at the top of the heap is given back to the system only
     beyond it) to ``limit_bytes``, as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in
-    the environment would, but from Python and at any time. It applies to the whole process
-    and cannot be undone in it; call it once, early, in a program that allocates large
-    tensors again and again.
+    the environment would, but from Python and at any time. It applies to the whole process, and
+    glibc's adaptive threshold (which follows the sizes freed, up to 32 MiB) is off from then on;
+    call it once, early, in a program that allocates large tensors again and again. Blocks
+    allocated by threads other than the main one come from heaps of at most 64 MiB: larger ones
+    are still mapped afresh (torch allocates a compiled run's outputs on the calling thread).
 
     Args:
         limit_bytes: an int in ``[2**20, 2**31 - 1]`` (1 MiB to 2 GiB): the largest block kept,
@@ -59,19 +62,17 @@ def reuse_freed_memory(limit_bytes: int = 2**30) -> bool:
             1 GiB, covers a trace of 10,000 chains x 1,000 steps x 25 float32 values.
 
     Returns:
-        True where it was applied (Linux with glibc); False elsewhere (macOS, Windows, musl),
-        where nothing is changed.
+        True where glibc accepted both settings (Linux with glibc); False elsewhere (macOS,
+        Windows, musl) or where glibc refuses the threshold (an older glibc may take at most
+        32 MiB), and then nothing is changed. True says only that glibc took the settings: with
+        another allocator preloaded (jemalloc, tcmalloc through ``LD_PRELOAD``) they have no
+        effect, and that allocator's own caching applies instead.
     """
-    if isinstance(limit_bytes, bool):
-        raise TypeError("limit_bytes must be an int, got bool")
-    try:
-        limit = operator.index(limit_bytes)
-    except TypeError:
-        raise TypeError(f"limit_bytes must be an int, got {type(limit_bytes).__name__}") from None
+    limit = _checks.check_int("limit_bytes", limit_bytes)
     if not 2**20 <= limit <= 2**31 - 1:
         raise ValueError(f"limit_bytes must be in [2**20, 2**31 - 1] (1 MiB to 2 GiB), got {limit}")
     libc = _glibc()
     if libc is None:
         return False
-    # mallopt returns 1 on success; glibc refuses neither value in this range
+    # mallopt returns 1 on success; the trim threshold is only set once the mmap threshold is taken
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, limit))

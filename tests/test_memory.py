@@ -13,7 +13,7 @@ import pytest
 import fnebm
 from fnebm import memory
 
-# Each child allocates and fills a 40 MiB float32 tensor (W1's trace size) four times and prints
+# Each child allocates and fills a 40 MiB float32 tensor (about W1's 40 MB trace) four times and prints
 # the fewest page faults of the last three, after the first has warmed the allocator.
 _CHILD = textwrap.dedent(
     """
