@@ -55,21 +55,22 @@ TRAIN = ["train", "--batch", "5", "--hidden", "8", "--k", "2", "--sample-steps",
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def torchrun(tmp_path, *argv):
-    """``(status, stdout, stderr)`` of ``torchrun --nproc-per-node 2 -m fnebm argv``; a launch
-    whose rank aborted with :data:`TEARDOWN_ABORT` is launched once more."""
-    code, out, err = _torchrun(tmp_path, *argv)
+def torchrun(tmp_path, *argv, target=("-m", "fnebm")):
+    """``(status, stdout, stderr)`` of ``torchrun --nproc-per-node 2 -m fnebm argv`` (or of another
+    ``target``: a script's path); a launch whose rank aborted with :data:`TEARDOWN_ABORT` is
+    launched once more."""
+    code, out, err = _torchrun(tmp_path, target, *argv)
     if code != 0 and TEARDOWN_ABORT in err:
         warnings.warn(f"a rank aborted ({TEARDOWN_ABORT!r}); launched again. stdout:\n{out[-1500:]}\n"
                       f"stderr:\n{err[-3000:]}", stacklevel=2)
-        code, out, err = _torchrun(tmp_path, *argv)
+        code, out, err = _torchrun(tmp_path, target, *argv)
     return code, out, err
 
 
-def _torchrun(tmp_path, *argv):
+def _torchrun(tmp_path, target, *argv):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fnebm",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, target),
            *map(str, argv)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
