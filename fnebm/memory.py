@@ -4,8 +4,9 @@ A sampling run returns its trace in a fresh buffer (W1's is 40 MB). glibc's ``ma
 block that large afresh from the kernel on every call and gives it back when it is freed, so
 every call touches new pages: one page fault per 4 KiB, the kernel zeroing each page. On a
 2-core Intel Xeon that was 9-10 ms of W1's 39 ms (10,000 chains x 100 steps of 10-D Langevin:
-docs/performance.md, "Fresh pages"). A program that samples again and again (training with
-persistent chains, sweeps, benchmarks) pays it on every call.
+docs/performance.md, "Fresh pages"). A program that samples again and again (repeated runs,
+sweeps, benchmarks) pays it on every call. Blocks under 32 MiB gain little: glibc
+already recycles them once one of their size has been freed.
 
 :func:`reuse_freed_memory` raises glibc's thresholds so that blocks up to a limit are taken
 from the heap and stay there when freed: the next call of the same size finds them mapped.
