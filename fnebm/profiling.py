@@ -73,7 +73,10 @@ class SamplingProfile(NamedTuple):
     measured parts (gradient, random, trace) over the step; above 1 they overlap inside the
     fused step. ``loop_s``: an empty loop's time per step (taken off each part; in ``update``).
     ``energy_evals_per_step`` and ``draws_per_step``: counted in
-    ``probe_steps`` eager steps. ``method``: how the figures were taken.
+    ``probe_steps`` eager steps. ``method``: how the figures were taken. ``page_faults_per_run``:
+    the process's minor page faults during a warm run (median; ``None`` where the platform does
+    not count them): on a CPU, thousands mean the run's trace is mapped afresh every call, which
+    :func:`fnebm.reuse_freed_memory` avoids for traces above 32 MiB.
     """
 
     device: str
@@ -92,6 +95,7 @@ class SamplingProfile(NamedTuple):
     energy_evals_per_step: float
     draws_per_step: float
     method: str
+    page_faults_per_run: int | None = None
 
     def __str__(self) -> str:
         chains = "x".join(map(str, self.chains)) + " chains" if self.chains else "one chain"
@@ -101,6 +105,10 @@ class SamplingProfile(NamedTuple):
             f"  time to first result  {_fmt(self.first_result_s)}",
             f"  warm run              {_fmt(self.warm_s)}  (median of {self.repeats})",
             f"  warm time per step    {_fmt(self.step_s)}",
+            *([] if self.page_faults_per_run is None else [
+                f"  page faults           {self.page_faults_per_run:,} per warm run"
+                + (" (memory mapped afresh: fnebm.reuse_freed_memory() keeps freed blocks mapped, docs/performance.md)"
+                   if self.page_faults_per_run >= _MANY_FAULTS else "")]),
             "",
             f"  {'per step':<22}{'time':>10}{'share':>8}",
         ]
@@ -396,6 +404,19 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+# 1,000 page faults are 4 MB of fresh pages in a warm run: worth a word in the table
+_MANY_FAULTS = 1000
+
+
+def _minor_faults() -> int | None:
+    """The process's minor page faults so far (``None`` where ``resource`` is missing: Windows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -568,8 +589,12 @@ def profile_sampling(
 
     # interleaved rounds (run, gradient, random, trace, loop, run, ...): a noisy moment hits all alike
     times: dict[str, list[float]] = {name: [] for name in ("run", *pieces)}
+    faults: list[int] = []
     for _ in range(repeats):
+        before = _minor_faults()
         times["run"].append(_timed(run, device))
+        if before is not None:
+            faults.append(_minor_faults() - before)
         for name, piece in pieces.items():
             times[name].append(_timed(piece, device))
     warm_s = statistics.median(times["run"])
@@ -616,4 +641,5 @@ def profile_sampling(
         energy_evals_per_step=evals,
         draws_per_step=draws_per_step,
         method=method,
+        page_faults_per_run=int(statistics.median(faults)) if faults else None,
     )

@@ -164,3 +164,31 @@ def test_compiled_profile_keeps_to_its_own_cache():
     assert p.compile_s is not None and 0 <= p.compile_s <= p.first_result_s
     assert p.energy_evals_per_step == 1
     assert len(fnebm.chain.default_cache) == before  # the user's runners are untouched
+
+
+def test_page_faults_are_counted_and_named(mala_profile):
+    n = mala_profile.page_faults_per_run
+    assert isinstance(n, int) and n >= 0  # this platform counts them (Linux)
+    assert f"page faults           {n:,} per warm run" in str(mala_profile)
+    # the hint appears from 1,000 faults a run (4 MB of fresh pages), not below
+    assert "reuse_freed_memory" in str(mala_profile._replace(page_faults_per_run=5000))
+    assert "reuse_freed_memory" not in str(mala_profile._replace(page_faults_per_run=999))
+    assert "page faults" not in str(mala_profile._replace(page_faults_per_run=None))
+
+
+def _huge_pages_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_huge_pages_always(), reason="transparent huge pages for every mapping: few faults to count")
+def test_a_fresh_40_mb_trace_shows_its_page_faults():
+    # 100,000 chains x 10 steps x 10 float32: a 40 MB trace, above glibc's largest adaptive mmap
+    # threshold (32 MiB), so each warm run maps it afresh: about 9,800 pages
+    alg = fnebm.langevin(E.harmonic(torch.tensor(1.0)), 0.1)
+    p = fnebm.profile_sampling(alg, fr.normal(fr.key(14), (100_000, 10)), fr.key(15), 10, compile=False, repeats=1)
+    assert p.page_faults_per_run >= 40 * 10**6 // 4096 // 2
+    assert "fnebm.reuse_freed_memory()" in str(p)
