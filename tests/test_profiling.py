@@ -2,7 +2,8 @@
 
 Costs: every profile here is eager on a few chains and a few steps (well under a second each),
 except ``compiled``, one ``aot_eager`` profile of a tiny Langevin run (the run's graph and the
-three piece graphs: the only compiles in this file).
+three piece graphs: the only compiles in this file), and one eager run of 100,000 chains (about
+2 s) whose 40 MB trace shows its page faults.
 """
 
 import math
