@@ -75,8 +75,9 @@ class SamplingProfile(NamedTuple):
     ``energy_evals_per_step`` and ``draws_per_step``: counted in
     ``probe_steps`` eager steps. ``method``: how the figures were taken. ``page_faults_per_run``:
     the process's minor page faults during a warm run (median; ``None`` where the platform does
-    not count them): on a CPU, thousands mean the run's trace is mapped afresh every call, which
-    :func:`fnebm.reuse_freed_memory` avoids for traces above 32 MiB.
+    not count them): on a CPU, thousands mean the run maps memory afresh every call (its trace
+    above all, and an eager run's large temporaries), which :func:`fnebm.reuse_freed_memory`
+    avoids for blocks above 32 MiB.
     """
 
     device: str
