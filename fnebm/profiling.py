@@ -77,7 +77,7 @@ class SamplingProfile(NamedTuple):
     the process's minor page faults during a warm run (median; ``None`` where the platform does
     not count them): on a CPU, thousands mean the run maps memory afresh every call (its trace
     above all, and an eager run's large temporaries), which :func:`fnebm.reuse_freed_memory`
-    avoids for blocks above 32 MiB.
+    avoids.
     """
 
     device: str
