@@ -4,12 +4,13 @@ A sampling run returns its trace in a fresh buffer (W1's is 40 MB). glibc's ``ma
 block that large afresh from the kernel on every call and gives it back when it is freed, so
 every call touches new pages: one page fault per 4 KiB, the kernel zeroing each page. On a
 2-core Intel Xeon that was 9-10 ms of W1's 39 ms (10,000 chains x 100 steps of 10-D Langevin:
-docs/performance.md, "Fresh pages"). A program that samples again and again (repeated runs,
-sweeps, benchmarks) pays it on every call. Smaller blocks are often recycled already (glibc's
-adaptive threshold follows the sizes freed, up to 32 MiB), but not always: an eager run of
-100,000 chains, with 4 MB temporaries, counted 33,434 page faults per run, and 0 with this.
+docs/performance.md, "Fresh pages for every trace"). A program that samples again and again
+(repeated runs, sweeps, benchmarks) pays it on every call. Smaller blocks are often recycled
+already (glibc's adaptive threshold follows the sizes freed, up to 32 MiB), but not always: an
+eager run of 100,000 chains, with 4 MB temporaries, counted 33,434 page faults per run, and 0
+with this.
 
-:func:`reuse_freed_memory` raises glibc's thresholds so that blocks up to a limit are taken
+:func:`reuse_freed_memory` raises glibc's thresholds so that blocks below a limit are taken
 from the heap and stay there when freed: the next call of the same size finds them mapped.
 It is a setting of the whole process (every library in it, the peers of a benchmark included)
 and an opt-in: nothing in fnebm calls it. The cost is memory: the process keeps memory it no
@@ -47,7 +48,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def reuse_freed_memory(limit_bytes: int = 2**30) -> bool:
-    """Let freed blocks of up to ``limit_bytes`` stay in the process for reuse (glibc ``malloc``).
+    """Let freed blocks smaller than ``limit_bytes`` stay in the process for reuse (glibc ``malloc``).
 
     Sets ``M_MMAP_THRESHOLD`` (blocks above it are still mapped and unmapped on their own) and
     ``M_TRIM_THRESHOLD`` (free memory at the top of the heap is given back to the system only
@@ -59,8 +60,9 @@ def reuse_freed_memory(limit_bytes: int = 2**30) -> bool:
     are still mapped afresh (torch allocates a compiled run's outputs on the calling thread).
 
     Args:
-        limit_bytes: an int in ``[2**20, 2**31 - 1]`` (1 MiB to 2 GiB): the largest block kept,
-            and the most free memory the process keeps at the top of its heap. The default,
+        limit_bytes: an int in ``[2**20, 2**31 - 1]`` (1 MiB to 2 GiB): blocks below it are kept
+            (a block of exactly this size, with malloc's header, is still mapped afresh), and it is
+            the most free memory the process keeps at the top of its heap. The default,
             1 GiB, covers a trace of 10,000 chains x 1,000 steps x 25 float32 values.
 
     Returns:

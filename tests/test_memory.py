@@ -1,6 +1,6 @@
 """``fnebm.reuse_freed_memory``: a freed large block is reused without new page faults.
 
-The setting is process-wide and cannot be undone, so the measurement runs in child processes;
+The setting is process-wide and the tests never undo it, so the measurement runs in child processes;
 it counts minor page faults (``ru_minflt``), not time.
 """
 
