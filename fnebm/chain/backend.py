@@ -1,5 +1,6 @@
-"""Which engine runs a :func:`fnebm.sample_chain` call: a hand-written Triton kernel, the compiled
-runner, or eager code (``backend="auto" | "triton" | "compiled" | "eager"``).
+"""Which engine runs a :func:`fnebm.sample_chain` call: a hand-written Triton kernel (CUDA), a
+hand-written C kernel (CPU), the compiled runner, or eager code
+(``backend="auto" | "triton" | "c" | "compiled" | "eager"``).
 
 A kernel serves a run only when it computes exactly what the run asks for:
 
@@ -13,10 +14,15 @@ A kernel serves a run only when it computes exactly what the run asks for:
 * ``collect`` is the default (the position), and no gradient is taken through the chain;
 * the chains are on a CUDA device and triton is installed.
 
-``"auto"`` takes the kernel when all of that holds and otherwise runs the compiled or eager
-path (``sample_chain``'s ``compile`` decides); on a CPU it never picks Triton, and it decides
-without importing triton. ``"triton"`` takes the kernel or raises ``ValueError`` saying which
-condition failed. ``"compiled"`` and ``"eager"`` never take it and mean ``compile=True`` and
+The C kernel (:mod:`fnebm.kernels.cpu_chain`) serves the same runs on a CPU, for Langevin on a
+double well, harmonic or diagonal Gaussian energy (not MALA, not Rastrigin), once the system C
+compiler has built it (about 1 s, cached on disk).
+
+``"auto"`` takes the Triton kernel on a CUDA device and the C kernel on the CPU when all of that
+holds — on the CPU only when ``compile`` is not ``False``, which asks for the eager steps — and
+otherwise runs the compiled or eager path (``sample_chain``'s ``compile`` decides); it decides
+without importing triton. ``"triton"`` and ``"c"`` take their kernel or raise ``ValueError``
+saying which condition failed. ``"compiled"`` and ``"eager"`` never take it and mean ``compile=True`` and
 ``compile=False``. The kernel draws from the same keys as the samplers (``fold_in(keys[c], t)``,
 MALA's split), so every backend gives the same chain to float tolerance.
 """
@@ -42,7 +48,7 @@ _mala = importlib.import_module("fnebm.samplers.mala")
 
 __all__ = ["BACKENDS", "check_backend", "compile_setting", "kernel_runner", "why_not"]
 
-BACKENDS = ("auto", "triton", "compiled", "eager")
+BACKENDS = ("auto", "triton", "c", "compiled", "eager")
 
 # Private switch for tests: let backend="triton" run the kernel on CPU tensors when Triton runs
 # under its interpreter (TRITON_INTERPRET=1). "auto" never does.
@@ -57,7 +63,7 @@ def check_backend(backend: Any) -> str:
 
 def compile_setting(backend: str, compile: Any) -> Any:
     """``sample_chain``'s ``compile`` under ``backend``: ``"eager"`` is ``False``, ``"compiled"``
-    ``True``; ``"auto"`` and ``"triton"`` leave it (it decides when no kernel runs)."""
+    ``True``; ``"auto"``, ``"triton"`` and ``"c"`` leave it (it decides when no kernel runs)."""
     backend = check_backend(backend)
     return {"eager": False, "compiled": True}.get(backend, compile)
 
@@ -79,8 +85,66 @@ def _sampler(step: Any) -> tuple[str, Any, Tensor, Tensor] | None:
     return None
 
 
+def _cpu_module():
+    return importlib.import_module("fnebm.kernels.cpu_chain")
+
+
+def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
+    """``None`` when the C kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
+    found = _sampler(step)
+    if found is None or found[0] != "langevin":
+        return "step is not fnebm.langevin(...).step (the C kernel runs unadjusted Langevin on the state it steps)"
+    _, energy, step_size, noise_scale = found
+    state = chain.state
+    if type(state) is not _langevin.LangevinState:
+        return f"the state is a {type(state).__name__}, not the LangevinState that langevin steps"
+    if collect is not position:
+        return "collect is not the default (the position): the kernel writes positions only"
+    x = state.position
+    if x.device.type != "cpu":
+        return f"the chains are on {x.device.type}, not the CPU (the C kernel runs on the CPU)"
+    cc = _cpu_module()
+    reason = cc.covers(energy)
+    if reason is not None:
+        return reason
+    reason = _common(x, energy, state, chain, step_size, noise_scale, max_dim=None)
+    if reason is not None:
+        return reason
+    if needs_grad(step, state):
+        return "a gradient is taken through the chain (the kernel has no backward)"
+    return cc.available()
+
+
+def _common(x: Tensor, energy: Any, state: Any, chain: Any, step_size: Any, noise_scale: Any,
+            max_dim: int | None) -> str | None:
+    """The checks both kernels make on dtypes, devices, shapes and tunables."""
+    device = x.device
+    if x.dtype != torch.float32:
+        return f"the position is {x.dtype}; the kernels cover float32 (the stream's normals are float32)"
+    if energy.dtype != x.dtype or energy.device != device:
+        return (f"the energy's parameters are {energy.dtype} on {energy.device}, not the position's {x.dtype} "
+                f"on {device}")
+    chains = tuple(chain.keys.shape[:-1])
+    if x.ndim != len(chains) + 1:
+        return f"the position {tuple(x.shape)} is not (*chains, d) for chains {chains}: the kernels take one event axis"
+    d = x.shape[-1]
+    if max_dim is not None and d > max_dim:
+        return f"the position has {d} elements per chain, more than the kernels' MAX_DIM={max_dim}"
+    if any(t.device != device or t.dtype != x.dtype for t in (state.energy, state.grad)):
+        return "the state's energy and grad are not on the position's device and dtype"
+    for name, t in (("step_size", step_size), ("noise_scale", noise_scale)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            return f"{name} is not a floating tensor"
+        if t.ndim and (t.device != device or t.ndim > len(chains)
+                       or any(a not in (b, 1) for a, b in zip(t.shape, chains))):
+            return f"{name} of shape {tuple(t.shape)} on {t.device} is neither 0-dim nor per chain {chains} on {device}"
+    return None
+
+
 def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
-    """``None`` when a kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
+    """``None`` when the Triton kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
     found = _sampler(step)
     if found is None:
         return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the kernels run those two "
@@ -107,45 +171,41 @@ def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
     reason = lc.covers(energy)
     if reason is not None:
         return reason
-    if x.dtype not in lc._DTYPES:
-        return f"the position is {x.dtype}; the kernels cover float32 (the stream's normals are float32)"
-    if energy.dtype != x.dtype or energy.device != device:
-        return (f"the energy's parameters are {energy.dtype} on {energy.device}, not the position's {x.dtype} "
-                f"on {device}")
-    chains = tuple(chain.keys.shape[:-1])
-    if x.ndim != len(chains) + 1:
-        return f"the position {tuple(x.shape)} is not (*chains, d) for chains {chains}: the kernels take one event axis"
-    d = x.shape[-1]
-    if d > lc.MAX_DIM:
-        return f"the position has {d} elements per chain, more than the kernels' MAX_DIM={lc.MAX_DIM}"
-    if any(t.device != device or t.dtype != x.dtype for t in (state.energy, state.grad)):
-        return "the state's energy and grad are not on the position's device and dtype"
-    for name, t in (("step_size", step_size), ("noise_scale", noise_scale)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
-            return f"{name} is not a floating tensor"
-        if t.ndim and (t.device != device or t.ndim > len(chains)
-                       or any(a not in (b, 1) for a, b in zip(t.shape, chains))):
-            return f"{name} of shape {tuple(t.shape)} on {t.device} is neither 0-dim nor per chain {chains} on {device}"
+    reason = _common(x, energy, state, chain, step_size, noise_scale, max_dim=lc.MAX_DIM)
+    if reason is not None:
+        return reason
     if needs_grad(step, state):
         return "a gradient is taken through the chain (the kernels have no backward)"
     return None
 
 
 def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: int, collect: Callable,
-                  backend: str) -> Callable[..., tuple[Any, Any, Any]] | None:
-    """A runner that serves this ``sample_chain`` call with a Triton kernel, or ``None``.
+                  backend: str, compile: Any = "auto") -> Callable[..., tuple[Any, Any, Any]] | None:
+    """A runner that serves this ``sample_chain`` call with a hand-written kernel, or ``None``.
 
     ``chain``: the checked :class:`~fnebm.chain.ChainState`. ``None`` for ``"compiled"`` and
-    ``"eager"``, and for ``"auto"`` where a kernel does not apply; ``"triton"`` where a kernel
-    does not apply raises ``ValueError`` with the reason. The runner takes ``out``,
-    ``chunk_size``, ``progress`` and ``on_chunk`` as ``sample_chain`` does and returns its
-    ``(chain, trace, info)``.
+    ``"eager"``, and for ``"auto"`` where a kernel does not apply (on the CPU also when
+    ``compile`` is ``False``); ``"triton"`` and ``"c"`` where their kernel does not apply raise
+    ``ValueError`` with the reason. The runner takes ``out``, ``chunk_size``, ``progress`` and
+    ``on_chunk`` as ``sample_chain`` does and returns its ``(chain, trace, info)``; its
+    ``engine`` attribute names the kernel (``"triton"`` or ``"c"``).
     """
     backend = check_backend(backend)
     if backend in ("compiled", "eager"):
         return None
+    on_cpu = chain.keys.device.type == "cpu"
+    if backend == "c" or (backend == "auto" and on_cpu):
+        if backend == "auto" and compile is False:
+            return None
+        reason = why_not_c(step, chain, collect)
+        if reason is not None:
+            if backend == "c":
+                raise ValueError(f'backend="c" cannot run this chain: {reason}. '
+                                 'backend="auto" runs it with the compiled runner instead')
+            return None
+        run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="c")
+        run.engine = "c"
+        return run
     if backend == "auto" and chain.keys.device.type != "cuda":
         return None  # decided before triton is imported
     reason = why_not(step, chain, collect)
@@ -154,7 +214,9 @@ def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: in
             raise ValueError(f'backend="triton" cannot run this chain: {reason}. '
                              'backend="auto" runs it with the compiled runner instead')
         return None
-    return functools.partial(_run, step, chain, n_steps, burn_in, thin)
+    run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="triton")
+    run.engine = "triton"
+    return run
 
 
 def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: int) -> tuple[Tensor, Any, Any]:
@@ -182,11 +244,12 @@ def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: in
     return trace, info, out
 
 
-def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, out=None, chunk_size: int | None = None,
-         progress: bool | None = None, on_chunk: Callable | None = None) -> tuple[Any, Any, Any]:
+def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out=None,
+         chunk_size: int | None = None, progress: bool | None = None,
+         on_chunk: Callable | None = None) -> tuple[Any, Any, Any]:
     from fnebm.chain.sample import ChainState  # sample imports this module
 
-    lc = _chain_module()
+    lc = _cpu_module() if engine == "c" else _chain_module()
     kind, energy, step_size, noise_scale = _sampler(step)
     state, keys = chain.state, chain.keys
     x = state.position
@@ -204,15 +267,16 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, out=None, chunk_
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, unit="step", desc="sampling (triton)", file=sys.stderr)
+        bar = tqdm(total=total, unit="step", desc=f"sampling ({engine})", file=sys.stderr)
     e, g = state.energy, state.grad
     try:
         for a, b in chunks(total, chunk_size):
             t0 = time.perf_counter()
             k = kept_in(a, b, burn_in, thin, n_kept)
             first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
-            x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
-                                  n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0)
+            more = {} if engine == "c" else {"mala": kind == "mala"}
+            x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, n_total=b - a,
+                                  first=first, thin=thin, n_keep=n_keep, j0=j0, **more)
             if on_chunk is not None:
                 if x.device.type != "cpu":
                     torch.accelerator.synchronize(x.device)

@@ -248,15 +248,18 @@ def sample_chain(
             cache's ``compile_estimate_s`` (20 s for Inductor) compiles; shorter calls run
             eagerly. So a short first run returns in seconds and a long one compiles at once;
             a graph compiled once is used from then on. ``on_plan`` says which ran and why.
-        backend: ``"auto"`` (default) runs the chain with a hand-written Triton kernel (one
-            launch for all steps, :mod:`fnebm.kernels.langevin_chain`) when one covers it —
-            ``fnebm.langevin``/``fnebm.mala`` steps on a double well, harmonic, diagonal
-            Gaussian or Rastrigin energy, float32 chains on a CUDA device, the default
-            ``collect``, no gradient through the chain — and otherwise as ``compile`` says;
-            ``"triton"`` requires the kernel and raises ``ValueError`` saying why it does not
-            apply; ``"compiled"`` and ``"eager"`` never use it and mean ``compile=True`` and
-            ``compile=False``. Same keys, same draws on every backend (to float tolerance).
-            The kernel path reports no ``on_plan``. See docs/kernels.md.
+        backend: ``"auto"`` (default) runs the chain with a hand-written kernel when one covers
+            it: on a CUDA device the Triton kernel (one launch for all steps,
+            :mod:`fnebm.kernels.langevin_chain`) for ``fnebm.langevin``/``fnebm.mala`` steps on a
+            double well, harmonic, diagonal Gaussian or Rastrigin energy; on the CPU, unless
+            ``compile=False``, the C kernel (:mod:`fnebm.kernels.cpu_chain`, built with the
+            system C compiler on first use) for ``fnebm.langevin`` steps on a double well,
+            harmonic or diagonal Gaussian energy; each for float32 chains, the default
+            ``collect`` and no gradient through the chain. Otherwise it runs as ``compile``
+            says. ``"triton"`` and ``"c"`` require their kernel and raise ``ValueError`` saying
+            why it does not apply; ``"compiled"`` and ``"eager"`` never use one and mean
+            ``compile=True`` and ``compile=False``. Same keys, same draws on every backend (to
+            float tolerance). ``on_plan`` gets a plan with ``kernel=True``. See docs/kernels.md.
         progress: a tqdm bar on stderr; ``None`` shows one when stderr is a terminal.
         chain_ndim: leading chain axes of ``state`` (default 1 with one key, ``key.ndim - 1``
             with per-chain keys; 0 for one chain).
@@ -314,10 +317,12 @@ def sample_chain(
     if len(devices) > 1 or chain.keys.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
     _check_values(chain.keys, chain.state)
-    kernel = kernel_runner(step, chain, n_steps, burn_in=burn_in, thin=thin, collect=collect, backend=backend)
+    kernel = kernel_runner(step, chain, n_steps, burn_in=burn_in, thin=thin, collect=collect, backend=backend,
+                           compile=compile)
     if kernel is not None:
         if on_plan is not None:
-            on_plan(RunPlan(False, False, f"backend={backend!r}: the whole-chain Triton kernel", None, 0.0,
+            what = "C kernel (CPU)" if kernel.engine == "c" else "Triton kernel"
+            on_plan(RunPlan(False, False, f"backend={backend!r}: the whole-chain {what}", None, 0.0,
                             burn_in + n_steps, kernel=True))
         return kernel(out=out, chunk_size=chunk_size, progress=progress, on_chunk=on_chunk)
 

@@ -1,0 +1,302 @@
+/* Whole chains of unadjusted Langevin for separable analytic energies, on the CPU.
+ *
+ * The C twin of fnebm/kernels/langevin_chain.py's Triton kernel: a block of CB chains keeps its
+ * positions and gradients in small arrays (one vector register per element across the block) and
+ * runs every step: the step's key fold_in(keys[c], t), the noise normal(key, (d,)) of the
+ * fnebm.random stream (Philox4x32-10, Box-Muller on lanes (0, 1) and (2, 3), element i lane
+ * i // m of block i % m), the energy and gradient in closed form at the proposal, the
+ * divergence check, and the kept draws written straight into the trace.
+ *
+ * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O3 -march=native -fopenmp,
+ * libmvec for the vector log/sin/cos) and called through ctypes, which releases the GIL.
+ * The pure-torch twin that defines it is langevin_chain_torch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CB 16 /* chains per block: one AVX-512 register of float32 */
+
+
+#define ROUND_A 0xD2511F53u
+#define ROUND_B 0xCD9E8D57u
+#define KEY_A 0x9E3779B9u
+#define KEY_B 0xBB67AE85u
+#define FOLD_TAG 0x666F6C64u
+#define UNIFORM_SCALE 4.6566127342e-10f
+#define NORMAL_FLOOR 1.0e-7f
+#define TWO_PI 6.283185307179586f
+
+enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2 }; /* fnebm.kernels.langevin_chain's families (Rastrigin is not covered here) */
+
+/* one Philox4x32 round; the key words advance after it */
+#define PHILOX_ROUND(c0, c1, c2, c3, k0, k1)                           \
+    do {                                                               \
+        uint64_t _p0 = (uint64_t)(c0) * ROUND_A;                       \
+        uint64_t _p1 = (uint64_t)(c2) * ROUND_B;                       \
+        uint32_t _n0 = (uint32_t)(_p1 >> 32) ^ (c1) ^ (k0);            \
+        uint32_t _n2 = (uint32_t)(_p0 >> 32) ^ (c3) ^ (k1);            \
+        (c1) = (uint32_t)_p1;                                          \
+        (c3) = (uint32_t)_p0;                                          \
+        (c0) = _n0;                                                    \
+        (c2) = _n2;                                                    \
+        (k0) += KEY_A;                                                 \
+        (k1) += KEY_B;                                                 \
+    } while (0)
+#define PHILOX_2(c0, c1, c2, c3, k0, k1) \
+    PHILOX_ROUND(c0, c1, c2, c3, k0, k1); PHILOX_ROUND(c0, c1, c2, c3, k0, k1)
+/* Philox4x32-10 on the counter (c0, c1, c2, c3) under the key (k0, k1), in place (fnebm.random.philox4x32) */
+#define PHILOX(c0, c1, c2, c3, k0, k1)                                                                       \
+    do {                                                                                                     \
+        uint32_t _k0 = (k0), _k1 = (k1);                                                                     \
+        PHILOX_2(c0, c1, c2, c3, _k0, _k1); PHILOX_2(c0, c1, c2, c3, _k0, _k1);                              \
+        PHILOX_2(c0, c1, c2, c3, _k0, _k1); PHILOX_2(c0, c1, c2, c3, _k0, _k1);                              \
+        PHILOX_2(c0, c1, c2, c3, _k0, _k1);                                                                  \
+    } while (0)
+
+static inline uint32_t as_u32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float as_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* max(u, 1e-7) as a bit mask: GCC 12 does not vectorise fmaxf or a float select here */
+static inline float floor_unit(float u) {
+    uint32_t below = 0u - (uint32_t)(u < NORMAL_FLOOR);
+    return as_f32((as_u32(u) & ~below) | (as_u32(NORMAL_FLOOR) & below));
+}
+
+static inline float to_unit(uint32_t w) {
+    /* Triton's uint_to_uniform_float: the word as int32, negative x -> -x - 1 (= x ^ -1), times 2**-31 */
+    int32_t x = (int32_t)w;
+    x ^= x >> 31;
+    return (float)x * UNIFORM_SCALE;
+}
+
+/* log(x) for finite x > 0 (normal): Cephes' logf (about 1 ulp), branch-free so that it
+ * vectorises across a block of chains. */
+static inline float vlogf(float x) {
+    uint32_t u = as_u32(x);
+    int32_t ex = (int32_t)((u >> 23) & 0xffu) - 126;
+    float m = as_f32((u & 0x807fffffu) | 0x3f000000u); /* mantissa in [0.5, 1) */
+    int32_t small = m < 0.707106781186547524f; /* then use 2m - 1 and the exponent less one */
+    float e = (float)(ex - small);
+    m = m + m * (float)small - 1.0f; /* exact: m * 1 or m * 0 */
+    float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return m + y + 0.693359375f * e;
+}
+
+/* sin and cos of 0 <= x < 8192: Cephes' sinf/cosf (Cody-Waite reduction by pi/4, octant
+ * polynomials), with the octant's swap and signs as bit masks so that it vectorises. */
+#define VSINCOSF(x, s_out, c_out)                                                                           \
+    do {                                                                                                    \
+        int32_t _j = (int32_t)((x) * 1.27323954473516f); /* 4 / pi */                                       \
+        _j = (_j + 1) & ~1;                                                                                 \
+        float _y = (float)_j;                                                                               \
+        float _r = (((x) - _y * 0.78515625f) - _y * 2.4187564849853515625e-4f) - _y * 3.77489497744594108e-8f; \
+        float _z = _r * _r;                                                                                 \
+        uint32_t _ps = as_u32(((-1.9515295891e-4f * _z + 8.3321608736e-3f) * _z - 1.6666654611e-1f) * _z * _r + _r); \
+        uint32_t _pc = as_u32(((2.443315711809948e-5f * _z - 1.388731625493765e-3f) * _z + 4.166664568298827e-2f) \
+                              * _z * _z - 0.5f * _z + 1.0f);                                                \
+        uint32_t _q = (uint32_t)(_j >> 1);                      /* quadrant, mod 4 below */                 \
+        uint32_t _swap = 0u - (_q & 1u);                        /* odd quadrants swap sin and cos */        \
+        uint32_t _sv = (_ps & ~_swap) | (_pc & _swap);                                                      \
+        uint32_t _cv = (_pc & ~_swap) | (_ps & _swap);                                                      \
+        _sv ^= (_q & 2u) << 30;                                 /* quadrants 2, 3: -sin */                  \
+        _cv ^= ((_q + 1u) & 2u) << 30;                          /* quadrants 1, 2: -cos */                  \
+        (s_out) = as_f32(_sv);                                                                              \
+        (c_out) = as_f32(_cv);                                                                              \
+    } while (0)
+
+typedef struct {
+    int64_t n_chains, d, key_stride_c, key_stride_w, start, h_stride, s_stride;
+    const float *x_in, *e_in, *g_in, *h_ptr, *s_ptr, *scalars, *vectors;
+    const int64_t *keys;
+    int64_t n_total, first, thin, n_keep, j0;
+    float *x_out, *e_out, *g_out, *trace;
+    int8_t *div;
+} args_t;
+
+/* every step of the chains c0 .. c0 + CB - 1 (those past n_chains run on zeros, never stored);
+ * buf: 4 d CB floats of scratch. Inlined with a constant family, so each family's loops
+ * vectorise on their own. */
+static inline __attribute__((always_inline)) void run_block(const args_t *a, int64_t c0, float *buf,
+                                                            const int family) {
+    const int64_t d = a->d, m = (d + 3) / 4, n_chains = a->n_chains;
+    float *restrict x = buf, *restrict g = buf + d * CB, *restrict z = buf + 2 * d * CB,
+                    *restrict nb = buf + 3 * d * CB;
+    float e[CB], h[CB], sc[CB];
+    uint32_t k0[CB], k1[CB];
+    int32_t take[CB];
+    const int64_t nc = n_chains - c0 < CB ? n_chains - c0 : CB;
+    for (int64_t j = 0; j < CB; j++) {
+        int live = j < nc;
+        int64_t c = c0 + j;
+        e[j] = live ? a->e_in[c] : 0.0f;
+        h[j] = live ? a->h_ptr[c * a->h_stride] : 1.0f;
+        sc[j] = (live ? a->s_ptr[c * a->s_stride] : 1.0f) * sqrtf(2.0f * h[j]);
+        k0[j] = live ? (uint32_t)a->keys[c * a->key_stride_c] : 0u;
+        k1[j] = live ? (uint32_t)a->keys[c * a->key_stride_c + a->key_stride_w] : 0u;
+        for (int64_t i = 0; i < d; i++) {
+            x[i * CB + j] = live ? a->x_in[c * d + i] : 0.0f;
+            g[i * CB + j] = live ? a->g_in[c * d + i] : 0.0f;
+        }
+    }
+    const float pa = a->scalars[0], pb = a->scalars[1];
+    const int64_t trace_stride = n_chains * d;
+    for (int64_t s = 0; s < a->n_total; s++) {
+        const uint64_t t = (uint64_t)(a->start + s);
+        uint32_t sk0[CB], sk1[CB];
+#pragma omp simd
+        for (int j = 0; j < CB; j++) { /* fold_in(key, t) */
+            uint32_t w0 = (uint32_t)t, w1 = (uint32_t)(t >> 32), w2 = FOLD_TAG, w3 = 0;
+            PHILOX(w0, w1, w2, w3, k0[j], k1[j]);
+            sk0[j] = w0;
+            sk1[j] = w1;
+        }
+        for (int64_t b = 0; b < m; b++) { /* normal(key, (d,)): Philox block b, lanes to b, b + m, ... */
+            uint32_t q0[CB], q1[CB], q2[CB], q3[CB];
+            float o0[CB], o1[CB], o2[CB], o3[CB];
+#pragma omp simd
+            for (int j = 0; j < CB; j++) {
+                uint32_t w0 = (uint32_t)b, w1 = (uint32_t)((uint64_t)b >> 32), w2 = 0, w3 = 0;
+                PHILOX(w0, w1, w2, w3, sk0[j], sk1[j]);
+                q0[j] = w0;
+                q1[j] = w1;
+                q2[j] = w2;
+                q3[j] = w3;
+            }
+#pragma omp simd
+            for (int j = 0; j < CB; j++) { /* Box-Muller on lanes (0, 1) and (2, 3) */
+                float r0 = sqrtf(-2.0f * vlogf(floor_unit(to_unit(q0[j]))));
+                float r1 = sqrtf(-2.0f * vlogf(floor_unit(to_unit(q2[j]))));
+                float s0, cs0, s1, cs1;
+                VSINCOSF(TWO_PI * to_unit(q1[j]), s0, cs0);
+                VSINCOSF(TWO_PI * to_unit(q3[j]), s1, cs1);
+                o0[j] = r0 * cs0;
+                o1[j] = r0 * s0;
+                o2[j] = r1 * cs1;
+                o3[j] = r1 * s1;
+            }
+            const float *o[4] = {o0, o1, o2, o3};
+            for (int lane = 0; lane < 4; lane++) {
+                int64_t i = lane * m + b;
+                if (i < d)
+                    memcpy(z + i * CB, o[lane], sizeof(float) * CB);
+            }
+        }
+        float acc[CB];
+        int32_t bad[CB];
+        for (int j = 0; j < CB; j++) {
+            acc[j] = 0.0f;
+            bad[j] = 0;
+        }
+        for (int64_t i = 0; i < d; i++) {
+            float va = pa, vb = pb, vc = pb;
+            if (family == GAUSSIAN) {
+                va = a->vectors[i];
+                vb = a->vectors[d + i];
+                vc = a->vectors[2 * d + i];
+            }
+#pragma omp simd
+            for (int j = 0; j < CB; j++) {
+                /* fnebm.integrators.euler_maruyama, then the energy's closed forms */
+                float p = x[i * CB + j] - h[j] * g[i * CB + j] + sc[j] * z[i * CB + j];
+                float q, n;
+                if (family == DOUBLE_WELL) { /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */
+                    float r = p * p - vb * vb;
+                    q = r * r;
+                    n = 4.0f * va * p * r;
+                } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
+                    q = p * p;
+                    n = va * p;
+                } else { /* diagonal Gaussian: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
+                    float delta = p - va, y = delta * vc;
+                    q = y * y;
+                    n = delta * vb;
+                }
+                acc[j] += q;
+                bad[j] |= !(fabsf(p) <= 3.402823466e38f) | !(fabsf(n) <= 3.402823466e38f);
+                z[i * CB + j] = p;
+                nb[i * CB + j] = n;
+            }
+        }
+#pragma omp simd
+        for (int j = 0; j < CB; j++) {
+            float v = family == DOUBLE_WELL ? pa * acc[j] : family == HARMONIC ? 0.5f * pa * acc[j] : 0.5f * acc[j];
+            take[j] = !bad[j] & (fabsf(v) <= 3.402823466e38f);
+            e[j] = take[j] ? v : e[j];
+        }
+        for (int64_t i = 0; i < d; i++) {
+#pragma omp simd
+            for (int j = 0; j < CB; j++) {
+                x[i * CB + j] = take[j] ? z[i * CB + j] : x[i * CB + j];
+                g[i * CB + j] = take[j] ? nb[i * CB + j] : g[i * CB + j];
+            }
+        }
+        int64_t k = s - a->first;
+        if (k >= 0 && k % a->thin == 0 && k / a->thin < a->n_keep) {
+            int64_t draw = a->j0 + k / a->thin;
+            float *row = a->trace + draw * trace_stride + c0 * d;
+            for (int64_t j = 0; j < nc; j++)
+                for (int64_t i = 0; i < d; i++)
+                    row[j * d + i] = x[i * CB + j];
+            for (int64_t j = 0; j < nc; j++)
+                a->div[draw * n_chains + c0 + j] = !take[j];
+        }
+    }
+    for (int64_t j = 0; j < nc; j++) {
+        int64_t c = c0 + j;
+        a->e_out[c] = e[j];
+        for (int64_t i = 0; i < d; i++) {
+            a->x_out[c * d + i] = x[i * CB + j];
+            a->g_out[c * d + i] = g[i * CB + j];
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread could not allocate its scratch (nothing is then valid). */
+int fnebm_langevin_chain(const args_t *a, int family, int n_threads) {
+    const int64_t n_blocks = (a->n_chains + CB - 1) / CB;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * 4 * (size_t)(a->d * CB));
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < n_blocks; blk++) {
+            if (buf == NULL)
+                continue;
+            if (family == DOUBLE_WELL)
+                run_block(a, blk * CB, buf, DOUBLE_WELL);
+            else if (family == HARMONIC)
+                run_block(a, blk * CB, buf, HARMONIC);
+            else
+                run_block(a, blk * CB, buf, GAUSSIAN);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

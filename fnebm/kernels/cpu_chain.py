@@ -1,0 +1,200 @@
+"""Whole chains of unadjusted Langevin on the CPU, in C: the CPU counterpart of the Triton kernel.
+
+For a separable analytic energy — :class:`~fnebm.energies.DoubleWell`,
+:class:`~fnebm.energies.Harmonic`, a diagonal :class:`~fnebm.energies.Gaussian` — the C kernel
+(``_cpu_chain.c`` beside this file) runs every step of a block of 16 chains with their
+positions and gradients in vector registers: the step's key ``fold_in(keys[c], t)``, the noise
+``normal(key, (d,))`` of the :mod:`fnebm.random` stream (Philox4x32-10 and Box–Muller, as
+:mod:`fnebm.kernels.langevin_chain` draws it), the energy and gradient in closed form, the
+divergence check, and the kept draws written straight into the trace. OpenMP spreads the blocks
+over ``torch.get_num_threads()`` threads.
+
+It computes what :func:`~fnebm.kernels.langevin_chain.langevin_chain_torch` (the twin) defines,
+to float tolerance: the Philox words are bit-identical, while ``log``, ``sin`` and ``cos`` are
+Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or Sleef's, so
+the normals differ in the last bits and a chain's positions drift apart by rounding over many
+steps, as the compiled and eager paths do.
+
+**Built on first use** with the system C compiler (``$CC``, else ``cc``; about 1 s) for this
+machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
+that hashes the source, the flags, the compiler and the CPU; later processes load it from
+there. Where no compiler works, :func:`available` says why and ``sample_chain`` runs the
+compiled runner as before. Called through ``ctypes``, which releases the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic
+
+__all__ = ["available", "covers", "run_into", "FLAGS"]
+
+_SOURCE = Path(__file__).with_name("_cpu_chain.c")
+# -mprefer-vector-width=512: GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless told;
+# the kernel's blocks are 16 float32 chains, one 512-bit register (ignored where there is none).
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
+_FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # why the library is unavailable, once a build failed
+
+
+class _Args(ctypes.Structure):
+    _fields_ = (
+        [(n, ctypes.c_int64) for n in ("n_chains", "d", "key_stride_c", "key_stride_w", "start", "h_stride",
+                                       "s_stride")]
+        + [(n, ctypes.c_void_p) for n in ("x_in", "e_in", "g_in", "h_ptr", "s_ptr", "scalars", "vectors", "keys")]
+        + [(n, ctypes.c_int64) for n in ("n_total", "first", "thin", "n_keep", "j0")]
+        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "trace", "div")]
+    )
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _cpu_id() -> str:
+    # -march=native code runs only on a CPU with the same instruction sets: the cache name says which
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FNEBM_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fnebm"
+
+
+def _build(cc: str) -> Path:
+    """The shared library, compiled now unless a matching one is cached; raises ``RuntimeError``."""
+    source = _SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
+    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                        _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:20]
+    target = _cache_dir() / f"cpu_chain-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile beside the target and rename: another process never loads a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            raise RuntimeError(f"{cc} failed to build the C kernel: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why
+    with _lock:
+        if _lib is not None or _why is not None:
+            return _lib
+        cc = _compiler()
+        if cc is None:
+            _why = f"no C compiler found (set CC; tried {os.environ.get('CC') or 'cc'})"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            _why = str(exc)
+            return None
+        lib.fnebm_langevin_chain.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
+        lib.fnebm_langevin_chain.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def available() -> str | None:
+    """``None`` when the C kernel is built (or builds now) and loads, else why not (one phrase)."""
+    _load()
+    return _why
+
+
+def covers(energy_fn) -> str | None:
+    """``None`` if the C kernel computes ``energy_fn`` in closed form, else why not (one phrase)."""
+    family = _FAMILIES.get(type(energy_fn))
+    if family is None:
+        return (f"the energy {type(energy_fn).__name__} is not one the C kernel computes in closed form "
+                "(DoubleWell, Harmonic, a diagonal Gaussian)")
+    if family == 2 and not energy_fn.is_diagonal:
+        return "the Gaussian has a full precision matrix (not separable; the kernel covers diagonal ones)"
+    return None
+
+
+def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
+    family = _FAMILIES[type(energy_fn)]
+    if family == 2:
+        vectors = torch.stack([energy_fn.mean, energy_fn.precision, energy_fn.precision_tril]).reshape(3, d)
+        return family, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
+    p = torch.stack([energy_fn.barrier_height, energy_fn.b]) if family == 0 else torch.stack([energy_fn.k, energy_fn.k])
+    p = p.to(torch.float32).contiguous()
+    return family, p, p
+
+
+def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
+             step_size: Tensor, noise_scale: Tensor, outputs: tuple[Tensor, ...], *, n_total: int, first: int,
+             thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``n_total`` Langevin steps of every chain from stream index ``start``, writing the kept
+    draws into ``outputs = (trace (draws, *chains, d), is_divergent (draws, *chains))``.
+
+    As :func:`fnebm.kernels.langevin_chain.run_into` (Langevin only): step ``s`` is kept as draw
+    ``j0 + (s - first) // thin`` when ``s >= first``, ``(s - first) % thin == 0`` and fewer than
+    ``n_keep`` were kept before. float32 CPU tensors; ``step_size`` and ``noise_scale`` 0-dim or one
+    per chain (contiguous); ``outputs`` contiguous. The caller has checked the arguments
+    (:func:`covers`, dtype, shapes). Returns the final ``(position, energy, grad)``.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the C kernel is unavailable: {_why}")
+    d = position.shape[-1]
+    n = keys.numel() // 2
+    family, scalars, vectors = _params(energy_fn, d)
+    x = position.reshape(n, d).contiguous()
+    g = grad.reshape(n, d).contiguous()
+    e = energy.reshape(n).contiguous()
+    k = keys.reshape(n, 2)
+    h = step_size.reshape(-1).contiguous()
+    s = noise_scale.reshape(-1).contiguous()
+    x_out, g_out, e_out = torch.empty_like(x), torch.empty_like(g), torch.empty_like(e)
+    trace, div = outputs[0], outputs[1].view(torch.int8)
+    start = int(start)
+    args = _Args(n, d, k.stride(0), k.stride(1), start, 1 if h.numel() > 1 else 0, 1 if s.numel() > 1 else 0,
+                 x.data_ptr(), e.data_ptr(), g.data_ptr(), h.data_ptr(), s.data_ptr(), scalars.data_ptr(),
+                 vectors.data_ptr(), k.data_ptr(), n_total, first, thin, n_keep, j0,
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), trace.data_ptr(), div.data_ptr())
+    if n and lib.fnebm_langevin_chain(ctypes.byref(args), family, torch.get_num_threads()) != 0:
+        raise MemoryError("the C kernel could not allocate its scratch")
+    shape = tuple(position.shape)
+    return x_out.reshape(shape), e_out.reshape(energy.shape), g_out.reshape(shape)
