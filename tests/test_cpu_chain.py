@@ -1,0 +1,216 @@
+"""The C whole-chain Langevin kernel (fnebm.kernels.cpu_chain) against its pure-torch twin, and
+sample_chain's dispatch to it (backend="c", and "auto" on the CPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fnebm
+from fnebm import energies
+from fnebm import random as fr
+from fnebm.chain import backend as be
+from fnebm.kernels import cpu_chain
+from fnebm.kernels.langevin_chain import langevin_chain_torch
+
+pytestmark = pytest.mark.skipif(cpu_chain.available() is not None,
+                                reason=f"the C kernel is unavailable here: {cpu_chain.available()}")
+
+F32 = torch.float32
+
+
+def _outputs(n_draws, x):
+    return (torch.empty((n_draws,) + tuple(x.shape)), torch.empty((n_draws,) + tuple(x.shape[:-1]), dtype=torch.bool))
+
+
+def _run(energy, x, keys, n_steps, h=0.01, s=1.0, start=0, burn_in=0, thin=1):
+    """The kernel over a whole run, as backend.py calls it: (position, energy, grad, trace, is_divergent)."""
+    e, g = energy(x), energy.grad(x)
+    h = torch.as_tensor(h, dtype=F32)
+    s = torch.as_tensor(s, dtype=F32)
+    n_kept = n_steps // thin
+    outputs = _outputs(n_kept, x)
+    final = cpu_chain.run_into(energy, x, e, g, keys, start, h.expand(x.shape[:-1]).contiguous() if h.ndim else h,
+                               s, outputs, n_total=burn_in + n_steps, first=burn_in + thin - 1, thin=thin,
+                               n_keep=n_kept, j0=0)
+    return final + outputs
+
+
+@pytest.mark.parametrize("d", [1, 3, 4, 5, 10, 17])
+def test_noise_is_the_fnebm_random_stream(d):
+    # one step from x = 0, grad = 0 with h = 1/2 and noise scale 1 is the step's normal draw itself;
+    # 37 chains (two full blocks of 16 and a partial one); a start past 2**32 uses the counter's high word
+    n, start = 37, 2**32 + 5
+    energy = energies.harmonic(1e-30)
+    x = torch.zeros(n, d)
+    keys = fr.split(fr.key(3), n)
+    _, _, _, trace, div = _run(energy, x, keys, 1, h=0.5, start=start)
+    want = fr.normal(fr.fold_in(keys, start), (d,))
+    # the Philox words are exact; log, sin and cos are Cephes' polynomials (about 1 ulp)
+    torch.testing.assert_close(trace[0], want, rtol=2e-6, atol=2e-6)
+    assert not div.any()
+
+
+def _energies(d):
+    mean = torch.linspace(-1.0, 1.0, d)
+    return {
+        "double_well": energies.double_well(2.0, 1.0),
+        "harmonic": energies.harmonic(1.5),
+        "diagonal_gaussian": energies.Gaussian(mean, torch.linspace(0.5, 2.0, d)),
+    }
+
+
+@pytest.mark.parametrize("name", ["double_well", "harmonic", "diagonal_gaussian"])
+def test_chain_matches_the_twin(name):
+    d, n = 5, 40
+    energy = _energies(d)[name]
+    assert cpu_chain.covers(energy) is None
+    x = fr.normal(fr.key(1), (n, d))
+    keys = fr.split(fr.key(2), n)
+    h = torch.linspace(0.005, 0.05, n)  # one step size per chain
+    got = _run(energy, x, keys, 12, h=h, s=0.8, start=3, burn_in=4, thin=3)
+    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 3, h, torch.tensor(0.8),
+                                n_steps=12, burn_in=4, thin=3)
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[4], want.is_divergent)
+
+
+def test_divergent_moves_are_dropped_and_flagged_as_the_twin_does():
+    # a step size this large overflows the double well's gradient for some chains within a few steps
+    energy = energies.double_well(2.0, 1.0)
+    x = 3.0 * fr.normal(fr.key(4), (64, 3))
+    keys = fr.split(fr.key(5), 64)
+    got = _run(energy, x, keys, 6, h=0.2)
+    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 0, torch.tensor(0.2),
+                                torch.tensor(1.0), n_steps=6)
+    assert want.is_divergent.any() and not want.is_divergent.all()
+    assert torch.equal(got[4], want.is_divergent)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[3]).all()
+    torch.testing.assert_close(got[3], want.trace, rtol=1e-4, atol=1e-4)
+
+
+def test_thread_count_does_not_change_the_draws():
+    energy = energies.double_well(2.0, 1.0)
+    x = fr.normal(fr.key(6), (100, 10))
+    keys = fr.split(fr.key(7), 100)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(energy, x, keys, 20)
+        torch.set_num_threads(2)
+        two = _run(energy, x, keys, 20)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+# ------------------------------------------------------------------------- sample_chain
+
+
+def _state(n=50, d=10, energy=None, h=0.01):
+    alg = fnebm.langevin(energy or energies.double_well(2.0, 1.0), h)
+    return alg, torch.func.vmap(alg.init)(fr.normal(fr.key(0), (n, d)))
+
+
+def test_auto_takes_the_c_kernel_on_the_cpu_unless_compile_is_false():
+    alg, state = _state()
+    plans = []
+    fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, on_plan=plans.append)
+    fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, compile=True, on_plan=plans.append)
+    fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, compile=False, on_plan=plans.append)
+    assert [p.kernel for p in plans] == [True, True, False]
+    assert "C kernel" in plans[0].reason
+
+
+def test_c_backend_equals_the_eager_steps():
+    alg, state = _state()
+    kw = dict(burn_in=3, thin=2, progress=False)
+    chain, trace, info = fnebm.sample_chain(alg.step, state, fr.key(1), 20, backend="c", **kw)
+    chain_e, trace_e, info_e = fnebm.sample_chain(alg.step, state, fr.key(1), 20, backend="eager", **kw)
+    torch.testing.assert_close(trace, trace_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chain.state.position, chain_e.state.position, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chain.state.energy, chain_e.state.energy, rtol=1e-4, atol=1e-4)
+    assert torch.equal(info.is_divergent, info_e.is_divergent)
+    assert int(chain.steps_taken) == int(chain_e.steps_taken) == 23
+
+
+def test_chunks_continuations_and_out_buffers_are_exact():
+    alg, state = _state()
+    whole, trace, info = fnebm.sample_chain(alg.step, state, fr.key(1), 12, backend="c", progress=False)
+    chunked = fnebm.sample_chain(alg.step, state, fr.key(1), 12, backend="c", progress=False, chunk_size=5)
+    assert torch.equal(chunked[1], trace) and torch.equal(chunked[0].state.position, whole.state.position)
+    first, head, _ = fnebm.sample_chain(alg.step, state, fr.key(1), 7, backend="c", progress=False)
+    rest, tail, _ = fnebm.sample_chain(alg.step, first, None, 5, backend="c", progress=False)
+    assert torch.equal(torch.cat([head, tail]), trace) and torch.equal(rest.state.grad, whole.state.grad)
+    bufs = (torch.zeros_like(trace), type(info)(torch.ones_like(info.is_divergent)))
+    _, filled, _ = fnebm.sample_chain(alg.step, state, fr.key(1), 12, backend="c", progress=False, out=bufs)
+    assert filled.data_ptr() == bufs[0].data_ptr() and torch.equal(bufs[0], trace)
+    assert torch.equal(bufs[1].is_divergent, info.is_divergent)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("mala", "fnebm.langevin"),
+    ("float64", "float32"),
+    ("rastrigin", "Rastrigin"),
+    ("collect", "collect"),
+])
+def test_c_backend_says_why_it_cannot_run(case, match):
+    energy = energies.rastrigin() if case == "rastrigin" else energies.double_well(2.0, 1.0, dtype=torch.float64
+                                                                                  if case == "float64" else None)
+    make = fnebm.mala if case == "mala" else fnebm.langevin
+    alg = make(energy, 0.01)
+    x = fr.normal(fr.key(0), (8, 3), torch.float64 if case == "float64" else F32)
+    state = torch.func.vmap(alg.init)(x)
+    collect = (lambda s: s.energy) if case == "collect" else None
+    with pytest.raises(ValueError, match=match):
+        fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend="c", collect=collect, progress=False)
+    # "auto" runs them anyway, without the kernel
+    plans = []
+    fnebm.sample_chain(alg.step, state, fr.key(1), 3, collect=collect, progress=False, on_plan=plans.append)
+    assert not plans[0].kernel
+
+
+def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
+    code = (
+        "import torch, fnebm\n"
+        "from fnebm import energies, random as fr\n"
+        "from fnebm.kernels import cpu_chain\n"
+        "alg = fnebm.langevin(energies.double_well(), 0.01)\n"
+        "state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (8, 3)))\n"
+        "plans = []\n"
+        "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, compile=False, on_plan=plans.append)\n"
+        "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, on_plan=plans.append)\n"
+        "assert not plans[-1].kernel, plans\n"
+        "try:\n"
+        "    fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend='c', progress=False)\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), FNEBM_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert 'backend="c" cannot run this chain: no C compiler found' in done.stdout
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_library_is_built_once_and_then_loaded(tmp_path):
+    code = "from fnebm.kernels import cpu_chain; assert cpu_chain.available() is None; print(cpu_chain._lib._name)"
+    env = dict(os.environ, FNEBM_CACHE_DIR=str(tmp_path))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    built = sorted(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_why_not_c_is_none_for_a_covered_run():
+    alg, state = _state(energy=energies.harmonic(2.0))
+    chain = fnebm.chain.init(state, fr.key(0))
+    assert be.why_not_c(alg.step, chain, be.position) is None
+    assert "not fnebm.langevin" in be.why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain, be.position)
