@@ -5,8 +5,9 @@
 
 Workloads (fixed, so that runs compare over time):
   W1     unadjusted Langevin, 10-D double well (h=2, b=1), 10,000 chains x 100 steps, eta=0.01
-         peers: TorchEBM LangevinDynamics + DoubleWellModel, a plain PyTorch eager autograd
-         loop, JAX (jit + vmap(grad) + lax.scan)
+         (fnebm's default backend: on the CPU the C whole-chain kernel); peers: TorchEBM
+         LangevinDynamics + DoubleWellModel, a plain PyTorch eager autograd loop, JAX (jit +
+         vmap(grad) + lax.scan), and fnebm's compiled runner (backend="compiled")
   W1out  W1 for fnebm alone, the trace allocated per call (as in W1) against the trace
          buffers of an earlier call passed back as sample_chain(out=...)
   W3     MALA, same target and sizes; peer: BlackJAX mala (jit + vmap + lax.scan)
@@ -115,19 +116,27 @@ def _dynamo_graphs() -> int:
 # ----------------------------------------------------------------------------- fnebm
 
 
-def fnebm_chain(make_alg, chains, steps, out=False):
+def fnebm_chain(make_alg, chains, steps, out=False, backend="auto"):
+    # backend "auto" is what a user gets: on the CPU, Langevin on the double well runs in the C
+    # whole-chain kernel (fnebm.kernels.cpu_chain), MALA in the compiled runner
     alg = make_alg(energies.double_well(H, B))
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, DIM)))
     key = fr.key(1)
+    kw = dict(compile=True, progress=False, backend=backend)
     if not out:
-        return lambda: fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False)[1]
-    _, trace, info = fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False)
+        return lambda: fnebm.sample_chain(alg.step, state, key, steps, **kw)[1]
+    _, trace, info = fnebm.sample_chain(alg.step, state, key, steps, **kw)
     bufs = (trace, info)  # the buffers of an earlier call, filled in place from now on
-    return lambda: fnebm.sample_chain(alg.step, state, key, steps, compile=True, progress=False, out=bufs)[1]
+    return lambda: fnebm.sample_chain(alg.step, state, key, steps, out=bufs, **kw)[1]
 
 
 def fnebm_langevin(chains, steps):
     return fnebm_chain(lambda e: fnebm.langevin(e, ETA), chains, steps)
+
+
+def fnebm_langevin_compiled(chains, steps):
+    # the compiled runner (torch.compile/Inductor), which served W1 before the C kernel
+    return fnebm_chain(lambda e: fnebm.langevin(e, ETA), chains, steps, backend="compiled")
 
 
 def fnebm_langevin_out(chains, steps):
@@ -643,7 +652,8 @@ WORKLOADS = {
     "W1": dict(
         title="unadjusted Langevin, 10-D double well, {chains} chains x {steps} steps",
         ours=("fnebm", fnebm_langevin),
-        peers=[("TorchEBM 0.8", torchebm_langevin), ("PyTorch eager", torch_eager_langevin), ("JAX", jax_langevin)],
+        peers=[("TorchEBM 0.8", torchebm_langevin), ("PyTorch eager", torch_eager_langevin), ("JAX", jax_langevin),
+               ("fnebm compiled runner", fnebm_langevin_compiled)],
         full=dict(chains=10_000, steps=100),
         quick=dict(chains=1_000, steps=20),
     ),

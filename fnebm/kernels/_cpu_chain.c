@@ -285,7 +285,7 @@ int fnebm_langevin_chain(const args_t *a, int family, int n_threads) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4) /* blocks of 64 chains: a thread on a busy core takes fewer */
         for (int64_t blk = 0; blk < n_blocks; blk++) {
             if (buf == NULL)
                 continue;
