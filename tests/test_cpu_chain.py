@@ -13,7 +13,7 @@ from fnebm import energies
 from fnebm import random as fr
 from fnebm.chain import backend as be
 from fnebm.kernels import cpu_chain
-from fnebm.kernels.langevin_chain import langevin_chain_torch
+from fnebm.kernels.langevin_chain import langevin_chain_torch, mala_chain_torch
 
 pytestmark = pytest.mark.skipif(cpu_chain.available() is not None,
                                 reason=f"the C kernel is unavailable here: {cpu_chain.available()}")
@@ -21,20 +21,24 @@ pytestmark = pytest.mark.skipif(cpu_chain.available() is not None,
 F32 = torch.float32
 
 
-def _outputs(n_draws, x):
-    return (torch.empty((n_draws,) + tuple(x.shape)), torch.empty((n_draws,) + tuple(x.shape[:-1]), dtype=torch.bool))
+def _outputs(n_draws, x, mala=False):
+    chains = (n_draws,) + tuple(x.shape[:-1])
+    flag = lambda: torch.empty(chains, dtype=torch.bool)  # noqa: E731
+    if mala:
+        return torch.empty((n_draws,) + tuple(x.shape)), torch.empty(chains), flag(), flag()
+    return torch.empty((n_draws,) + tuple(x.shape)), flag()
 
 
-def _run(energy, x, keys, n_steps, h=0.01, s=1.0, start=0, burn_in=0, thin=1):
-    """The kernel over a whole run, as backend.py calls it: (position, energy, grad, trace, is_divergent)."""
+def _run(energy, x, keys, n_steps, h=0.01, s=1.0, start=0, burn_in=0, thin=1, mala=False):
+    """The kernel over a whole run, as backend.py calls it: (position, energy, grad, trace, *info)."""
     e, g = energy(x), energy.grad(x)
     h = torch.as_tensor(h, dtype=F32)
     s = torch.as_tensor(s, dtype=F32)
     n_kept = n_steps // thin
-    outputs = _outputs(n_kept, x)
+    outputs = _outputs(n_kept, x, mala)
     final = cpu_chain.run_into(energy, x, e, g, keys, start, h.expand(x.shape[:-1]).contiguous() if h.ndim else h,
-                               s, outputs, n_total=burn_in + n_steps, first=burn_in + thin - 1, thin=thin,
-                               n_keep=n_kept, j0=0)
+                               s, outputs, mala=mala, n_total=burn_in + n_steps, first=burn_in + thin - 1,
+                               thin=thin, n_keep=n_kept, j0=0)
     return final + outputs
 
 
@@ -76,6 +80,35 @@ def test_chain_matches_the_twin(name):
     for a, b in zip(got[:4], want[:4]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert torch.equal(got[4], want.is_divergent)
+
+
+@pytest.mark.parametrize("name", ["double_well", "harmonic", "diagonal_gaussian"])
+def test_mala_chain_matches_the_twin(name):
+    d, n = 5, 40
+    energy = _energies(d)[name]
+    x = fr.normal(fr.key(1), (n, d))
+    keys = fr.split(fr.key(2), n)
+    h = torch.linspace(0.01, 0.3, n)  # acceptance from about 1 down to well below it
+    got = _run(energy, x, keys, 12, h=h, start=3, burn_in=4, thin=3, mala=True)
+    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 3, h, n_steps=12, burn_in=4, thin=3)
+    for a, b in zip(got[:5], want[:5]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the decisions: equal unless a log alpha lies within rounding of log u (none here)
+    assert torch.equal(got[5], want.is_accepted) and torch.equal(got[6], want.is_divergent)
+    assert 0.1 < want.is_accepted.float().mean() < 0.95
+
+
+def test_mala_rejects_and_flags_divergent_proposals_as_the_twin_does():
+    energy = energies.double_well(2.0, 1.0)
+    x = 3.0 * fr.normal(fr.key(4), (64, 3))
+    keys = fr.split(fr.key(5), 64)
+    h = torch.logspace(-2, 9, 64)  # from well-behaved to proposals whose energy overflows float32
+    got = _run(energy, x, keys, 6, h=h, mala=True)
+    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 0, h, n_steps=6)
+    assert want.is_divergent.any() and not want.is_divergent.all()
+    assert torch.equal(got[6], want.is_divergent) and torch.equal(got[5], want.is_accepted)
+    assert (got[4][got[6]] == 0).all()  # a divergent proposal's acceptance rate is exp(-inf)
+    torch.testing.assert_close(got[3], want.trace, rtol=1e-4, atol=1e-4)
 
 
 def test_divergent_moves_are_dropped_and_flagged_as_the_twin_does():
@@ -125,15 +158,18 @@ def test_auto_takes_the_c_kernel_on_the_cpu_unless_compile_is_false():
     assert "C kernel" in plans[0].reason
 
 
-def test_c_backend_equals_the_eager_steps():
-    alg, state = _state()
+@pytest.mark.parametrize("make", [fnebm.langevin, fnebm.mala])
+def test_c_backend_equals_the_eager_steps(make):
+    alg = make(energies.double_well(2.0, 1.0), 0.01)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (50, 10)))
     kw = dict(burn_in=3, thin=2, progress=False)
     chain, trace, info = fnebm.sample_chain(alg.step, state, fr.key(1), 20, backend="c", **kw)
     chain_e, trace_e, info_e = fnebm.sample_chain(alg.step, state, fr.key(1), 20, backend="eager", **kw)
     torch.testing.assert_close(trace, trace_e, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(chain.state.position, chain_e.state.position, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(chain.state.energy, chain_e.state.energy, rtol=1e-4, atol=1e-4)
-    assert torch.equal(info.is_divergent, info_e.is_divergent)
+    for a, b in zip(info, info_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert int(chain.steps_taken) == int(chain_e.steps_taken) == 23
 
 
@@ -152,7 +188,7 @@ def test_chunks_continuations_and_out_buffers_are_exact():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("mala", "fnebm.langevin"),
+    ("wrapped", "fnebm.langevin"),
     ("float64", "float32"),
     ("rastrigin", "Rastrigin"),
     ("collect", "collect"),
@@ -160,16 +196,16 @@ def test_chunks_continuations_and_out_buffers_are_exact():
 def test_c_backend_says_why_it_cannot_run(case, match):
     energy = energies.rastrigin() if case == "rastrigin" else energies.double_well(2.0, 1.0, dtype=torch.float64
                                                                                   if case == "float64" else None)
-    make = fnebm.mala if case == "mala" else fnebm.langevin
-    alg = make(energy, 0.01)
+    alg = fnebm.langevin(energy, 0.01)
     x = fr.normal(fr.key(0), (8, 3), torch.float64 if case == "float64" else F32)
     state = torch.func.vmap(alg.init)(x)
+    step = (lambda s, k: alg.step(s, k)) if case == "wrapped" else alg.step
     collect = (lambda s: s.energy) if case == "collect" else None
     with pytest.raises(ValueError, match=match):
-        fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend="c", collect=collect, progress=False)
+        fnebm.sample_chain(step, state, fr.key(1), 3, backend="c", collect=collect, progress=False)
     # "auto" runs them anyway, without the kernel
     plans = []
-    fnebm.sample_chain(alg.step, state, fr.key(1), 3, collect=collect, progress=False, on_plan=plans.append)
+    fnebm.sample_chain(step, state, fr.key(1), 3, collect=collect, progress=False, on_plan=plans.append)
     assert not plans[0].kernel
 
 
@@ -213,4 +249,4 @@ def test_why_not_c_is_none_for_a_covered_run():
     alg, state = _state(energy=energies.harmonic(2.0))
     chain = fnebm.chain.init(state, fr.key(0))
     assert be.why_not_c(alg.step, chain, be.position) is None
-    assert "not fnebm.langevin" in be.why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain, be.position)
+    assert "MALAState" in be.why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain, be.position)

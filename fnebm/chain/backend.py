@@ -14,8 +14,8 @@ A kernel serves a run only when it computes exactly what the run asks for:
 * ``collect`` is the default (the position), and no gradient is taken through the chain;
 * the chains are on a CUDA device and triton is installed.
 
-The C kernel (:mod:`fnebm.kernels.cpu_chain`) serves the same runs on a CPU, for Langevin on a
-double well, harmonic or diagonal Gaussian energy (not MALA, not Rastrigin), once the system C
+The C kernel (:mod:`fnebm.kernels.cpu_chain`) serves the same runs on a CPU, for Langevin and
+MALA on a double well, harmonic or diagonal Gaussian energy (not Rastrigin), once the system C
 compiler has built it (about 1 s, cached on disk).
 
 ``"auto"`` takes the Triton kernel on a CUDA device and the C kernel on the CPU when all of that
@@ -92,12 +92,14 @@ def _cpu_module():
 def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
     """``None`` when the C kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
     found = _sampler(step)
-    if found is None or found[0] != "langevin":
-        return "step is not fnebm.langevin(...).step (the C kernel runs unadjusted Langevin on the state it steps)"
-    _, energy, step_size, noise_scale = found
+    if found is None:
+        return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the C kernel runs those two "
+                "samplers on the state they step)")
+    kind, energy, step_size, noise_scale = found
     state = chain.state
-    if type(state) is not _langevin.LangevinState:
-        return f"the state is a {type(state).__name__}, not the LangevinState that langevin steps"
+    state_type = _langevin.LangevinState if kind == "langevin" else _mala.MALAState
+    if type(state) is not state_type:
+        return f"the state is a {type(state).__name__}, not the {state_type.__name__} that {kind} steps"
     if collect is not position:
         return "collect is not the default (the position): the kernel writes positions only"
     x = state.position
@@ -274,9 +276,8 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out
             t0 = time.perf_counter()
             k = kept_in(a, b, burn_in, thin, n_kept)
             first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
-            more = {} if engine == "c" else {"mala": kind == "mala"}
-            x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, n_total=b - a,
-                                  first=first, thin=thin, n_keep=n_keep, j0=j0, **more)
+            x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
+                                  n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0)
             if on_chunk is not None:
                 if x.device.type != "cpu":
                     torch.accelerator.synchronize(x.device)

@@ -1,4 +1,4 @@
-/* Whole chains of unadjusted Langevin for separable analytic energies, on the CPU.
+/* Whole chains of unadjusted Langevin or MALA for separable analytic energies, on the CPU.
  *
  * The C twin of fnebm/kernels/langevin_chain.py's Triton kernel: a block of CB chains keeps its
  * positions and gradients in small arrays (one vector register per element across the block) and
@@ -24,6 +24,8 @@
 #define KEY_A 0x9E3779B9u
 #define KEY_B 0xBB67AE85u
 #define FOLD_TAG 0x666F6C64u
+#define SPLIT_TAG 0x73706C74u
+#define FLT_BIG 3.402823466e38f
 #define UNIFORM_SCALE 4.6566127342e-10f
 #define NORMAL_FLOOR 1.0e-7f
 #define TWO_PI 6.283185307179586f
@@ -105,6 +107,25 @@ static inline float vlogf(float x) {
     return m + y + 0.693359375f * e;
 }
 
+/* exp(x) for x <= 0 (-inf included, giving 0): Cephes' expf (about 1 ulp), branch-free.
+ * MALA's acceptance rate exp(min(log alpha, 0)). */
+static inline float vexpf(float x) {
+    float xc = fmaxf(x, -87.0f); /* below this the result is 0 (set at the end) */
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    y = as_f32(as_u32(y) + ((uint32_t)((int32_t)n) << 23)); /* times 2**n */
+    uint32_t zero = 0u - (uint32_t)(x < -87.0f);
+    return as_f32(as_u32(y) & ~zero);
+}
+
 /* sin and cos of 0 <= x < 8192: Cephes' sinf/cosf (Cody-Waite reduction by pi/4, octant
  * polynomials), with the octant's swap and signs as bit masks so that it vectorises. */
 #define VSINCOSF(x, s_out, c_out)                                                                           \
@@ -134,19 +155,22 @@ typedef struct {
     int64_t n_total, first, thin, n_keep, j0;
     float *x_out, *e_out, *g_out, *trace;
     int8_t *div;
+    float *rate;  /* MALA: the acceptance rate of each kept step */
+    int8_t *acc;  /* MALA: whether it was accepted */
 } args_t;
 
 /* every step of the chains c0 .. c0 + CB - 1 (those past n_chains run on zeros, never stored);
  * buf: 4 d CB floats of scratch. Inlined with a constant family, so each family's loops
  * vectorise on their own. */
 static inline __attribute__((always_inline)) void run_block(const args_t *a, int64_t c0, float *buf,
-                                                            const int family) {
+                                                            const int family, const int mala) {
     const int64_t d = a->d, m = (d + 3) / 4, n_chains = a->n_chains;
     float *restrict x = buf, *restrict g = buf + d * CB, *restrict z = buf + 2 * d * CB,
                     *restrict nb = buf + 3 * d * CB;
     float e[CB], h[CB], sc[CB];
     uint32_t k0[CB], k1[CB];
-    int32_t take[CB];
+    int32_t take[CB], ok[CB];
+    float rate[CB], logu[CB];
     const int64_t nc = n_chains - c0 < CB ? n_chains - c0 : CB;
     for (int64_t j = 0; j < CB; j++) {
         int live = j < nc;
@@ -172,6 +196,20 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
             PHILOX(w0, w1, w2, w3, k0[j], k1[j]);
             sk0[j] = w0;
             sk1[j] = w1;
+        }
+        if (mala) { /* split(key): words 0-1 the noise's key, 2-3 the uniform's; log uniform(k1, ()) */
+#pragma omp simd
+            for (int j = 0; j < CB; j++) {
+                uint32_t w0 = 0, w1 = 0, w2 = SPLIT_TAG, w3 = 0;
+                PHILOX(w0, w1, w2, w3, sk0[j], sk1[j]);
+                uint32_t v0 = 0, v1 = 0, v2 = 0, v3 = 0;
+                PHILOX(v0, v1, v2, v3, w2, w3);
+                float u = to_unit(v0);
+                uint32_t is0 = 0u - (uint32_t)(u == 0.0f); /* log 0 = -inf */
+                logu[j] = as_f32((as_u32(vlogf(u)) & ~is0) | (as_u32(-INFINITY) & is0));
+                sk0[j] = w0;
+                sk1[j] = w1;
+            }
         }
         for (int64_t b = 0; b < m; b++) { /* normal(key, (d,)): Philox block b, lanes to b, b + m, ... */
             uint32_t q0[CB], q1[CB], q2[CB], q3[CB];
@@ -204,11 +242,13 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                     memcpy(z + i * CB, o[lane], sizeof(float) * CB);
             }
         }
-        float acc[CB];
-        int32_t bad[CB];
+        float acc[CB], quad[CB];
+        int32_t bad[CB], badp[CB];
         for (int j = 0; j < CB; j++) {
             acc[j] = 0.0f;
+            quad[j] = 0.0f;
             bad[j] = 0;
+            badp[j] = 0;
         }
         for (int64_t i = 0; i < d; i++) {
             float va = pa, vb = pb, vc = pb;
@@ -235,7 +275,13 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                     n = delta * vb;
                 }
                 acc[j] += q;
-                bad[j] |= !(fabsf(p) <= 3.402823466e38f) | !(fabsf(n) <= 3.402823466e38f);
+                bad[j] |= !(fabsf(n) <= FLT_BIG);
+                badp[j] |= !(fabsf(p) <= FLT_BIG);
+                if (mala) { /* fnebm.samplers.mala.log_acceptance_ratio's proposal densities */
+                    float fw = p - x[i * CB + j] + h[j] * g[i * CB + j];
+                    float bw = x[i * CB + j] - p + h[j] * n;
+                    quad[j] += fw * fw - bw * bw;
+                }
                 z[i * CB + j] = p;
                 nb[i * CB + j] = n;
             }
@@ -243,7 +289,17 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
 #pragma omp simd
         for (int j = 0; j < CB; j++) {
             float v = family == DOUBLE_WELL ? pa * acc[j] : family == HARMONIC ? 0.5f * pa * acc[j] : 0.5f * acc[j];
-            take[j] = !bad[j] & (fabsf(v) <= 3.402823466e38f);
+            int32_t finite = !bad[j] & (fabsf(v) <= FLT_BIG);
+            if (mala) { /* metropolis_hastings: a non-finite energy, gradient or log alpha is rejected */
+                float la = e[j] - v + quad[j] / (4.0f * h[j]);
+                ok[j] = finite & (fabsf(la) <= FLT_BIG);
+                la = ok[j] ? la : -INFINITY;
+                take[j] = logu[j] < la;
+                rate[j] = vexpf(fminf(la, 0.0f));
+            } else { /* a non-finite move is dropped */
+                take[j] = finite & !badp[j];
+                ok[j] = take[j];
+            }
             e[j] = take[j] ? v : e[j];
         }
         for (int64_t i = 0; i < d; i++) {
@@ -261,7 +317,12 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                 for (int64_t i = 0; i < d; i++)
                     row[j * d + i] = x[i * CB + j];
             for (int64_t j = 0; j < nc; j++)
-                a->div[draw * n_chains + c0 + j] = !take[j];
+                a->div[draw * n_chains + c0 + j] = !ok[j];
+            if (mala)
+                for (int64_t j = 0; j < nc; j++) {
+                    a->rate[draw * n_chains + c0 + j] = rate[j];
+                    a->acc[draw * n_chains + c0 + j] = take[j] != 0;
+                }
         }
     }
     for (int64_t j = 0; j < nc; j++) {
@@ -275,7 +336,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
 }
 
 /* Returns 0, or -1 when a thread could not allocate its scratch (nothing is then valid). */
-int fnebm_langevin_chain(const args_t *a, int family, int n_threads) {
+int fnebm_langevin_chain(const args_t *a, int family, int mala, int n_threads) {
     const int64_t n_blocks = (a->n_chains + CB - 1) / CB;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -289,12 +350,22 @@ int fnebm_langevin_chain(const args_t *a, int family, int n_threads) {
         for (int64_t blk = 0; blk < n_blocks; blk++) {
             if (buf == NULL)
                 continue;
-            if (family == DOUBLE_WELL)
-                run_block(a, blk * CB, buf, DOUBLE_WELL);
-            else if (family == HARMONIC)
-                run_block(a, blk * CB, buf, HARMONIC);
-            else
-                run_block(a, blk * CB, buf, GAUSSIAN);
+            int64_t c0 = blk * CB;
+            if (mala) {
+                if (family == DOUBLE_WELL)
+                    run_block(a, c0, buf, DOUBLE_WELL, 1);
+                else if (family == HARMONIC)
+                    run_block(a, c0, buf, HARMONIC, 1);
+                else
+                    run_block(a, c0, buf, GAUSSIAN, 1);
+            } else {
+                if (family == DOUBLE_WELL)
+                    run_block(a, c0, buf, DOUBLE_WELL, 0);
+                else if (family == HARMONIC)
+                    run_block(a, c0, buf, HARMONIC, 0);
+                else
+                    run_block(a, c0, buf, GAUSSIAN, 0);
+            }
         }
         free(buf);
     }

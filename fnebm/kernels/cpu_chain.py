@@ -1,4 +1,4 @@
-"""Whole chains of unadjusted Langevin on the CPU, in C: the CPU counterpart of the Triton kernel.
+"""Whole chains of unadjusted Langevin or MALA on the CPU, in C: the CPU counterpart of the Triton kernel.
 
 For a separable analytic energy — :class:`~fnebm.energies.DoubleWell`,
 :class:`~fnebm.energies.Harmonic`, a diagonal :class:`~fnebm.energies.Gaussian` — the C kernel
@@ -6,11 +6,13 @@ For a separable analytic energy — :class:`~fnebm.energies.DoubleWell`,
 positions and gradients in vector registers: the step's key ``fold_in(keys[c], t)``, the noise
 ``normal(key, (d,))`` of the :mod:`fnebm.random` stream (Philox4x32-10 and Box–Muller, as
 :mod:`fnebm.kernels.langevin_chain` draws it), the energy and gradient in closed form, the
-divergence check, and the kept draws written straight into the trace. OpenMP spreads the blocks
-over ``torch.get_num_threads()`` threads.
+divergence check (MALA: the split key, the accept/reject uniform and the proposal densities),
+and the kept draws written straight into the trace. OpenMP spreads the blocks over
+``torch.get_num_threads()`` threads.
 
-It computes what :func:`~fnebm.kernels.langevin_chain.langevin_chain_torch` (the twin) defines,
-to float tolerance: the Philox words are bit-identical, while ``log``, ``sin`` and ``cos`` are
+It computes what :func:`~fnebm.kernels.langevin_chain.langevin_chain_torch` and
+:func:`~fnebm.kernels.langevin_chain.mala_chain_torch` (the twins) define, to float tolerance:
+the Philox words are bit-identical, while ``log``, ``exp``, ``sin`` and ``cos`` are
 Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or Sleef's, so
 the normals differ in the last bits and a chain's positions drift apart by rounding over many
 steps, as the compiled and eager paths do.
@@ -59,7 +61,7 @@ class _Args(ctypes.Structure):
                                        "s_stride")]
         + [(n, ctypes.c_void_p) for n in ("x_in", "e_in", "g_in", "h_ptr", "s_ptr", "scalars", "vectors", "keys")]
         + [(n, ctypes.c_int64) for n in ("n_total", "first", "thin", "n_keep", "j0")]
-        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "trace", "div")]
+        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "trace", "div", "rate", "acc")]
     )
 
 
@@ -130,7 +132,7 @@ def _load() -> ctypes.CDLL | None:
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             _why = str(exc)
             return None
-        lib.fnebm_langevin_chain.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
+        lib.fnebm_langevin_chain.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.fnebm_langevin_chain.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -164,15 +166,16 @@ def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
 
 
 def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
-             step_size: Tensor, noise_scale: Tensor, outputs: tuple[Tensor, ...], *, n_total: int, first: int,
-             thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``n_total`` Langevin steps of every chain from stream index ``start``, writing the kept
-    draws into ``outputs = (trace (draws, *chains, d), is_divergent (draws, *chains))``.
+             step_size: Tensor, noise_scale: Tensor, outputs: tuple[Tensor, ...], *, mala: bool, n_total: int,
+             first: int, thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``n_total`` Langevin (or MALA) steps of every chain from stream index ``start``, writing
+    the kept draws into ``outputs = (trace (draws, *chains, d), *info (draws, *chains))`` (the
+    info: Langevin's is_divergent; MALA's acceptance rate, is_accepted, is_divergent).
 
-    As :func:`fnebm.kernels.langevin_chain.run_into` (Langevin only): step ``s`` is kept as draw
+    As :func:`fnebm.kernels.langevin_chain.run_into`: step ``s`` is kept as draw
     ``j0 + (s - first) // thin`` when ``s >= first``, ``(s - first) % thin == 0`` and fewer than
     ``n_keep`` were kept before. float32 CPU tensors; ``step_size`` and ``noise_scale`` 0-dim or one
-    per chain (contiguous); ``outputs`` contiguous. The caller has checked the arguments
+    per chain (contiguous; MALA ignores the noise scale); ``outputs`` contiguous. The caller has checked the arguments
     (:func:`covers`, dtype, shapes). Returns the final ``(position, energy, grad)``.
     """
     lib = _load()
@@ -188,13 +191,20 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     h = step_size.reshape(-1).contiguous()
     s = noise_scale.reshape(-1).contiguous()
     x_out, g_out, e_out = torch.empty_like(x), torch.empty_like(g), torch.empty_like(e)
-    trace, div = outputs[0], outputs[1].view(torch.int8)
+    trace = outputs[0]
+    if mala:
+        rate, acc, div = outputs[1], outputs[2].view(torch.int8), outputs[3].view(torch.int8)
+        s = torch.ones((), dtype=torch.float32)
+    else:
+        div = outputs[1].view(torch.int8)
+        rate, acc = trace, div  # not written: MALA is off
     start = int(start)
     args = _Args(n, d, k.stride(0), k.stride(1), start, 1 if h.numel() > 1 else 0, 1 if s.numel() > 1 else 0,
                  x.data_ptr(), e.data_ptr(), g.data_ptr(), h.data_ptr(), s.data_ptr(), scalars.data_ptr(),
                  vectors.data_ptr(), k.data_ptr(), n_total, first, thin, n_keep, j0,
-                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), trace.data_ptr(), div.data_ptr())
-    if n and lib.fnebm_langevin_chain(ctypes.byref(args), family, torch.get_num_threads()) != 0:
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), trace.data_ptr(), div.data_ptr(),
+                 rate.data_ptr(), acc.data_ptr())
+    if n and lib.fnebm_langevin_chain(ctypes.byref(args), family, int(mala), torch.get_num_threads()) != 0:
         raise MemoryError("the C kernel could not allocate its scratch")
     shape = tuple(position.shape)
     return x_out.reshape(shape), e_out.reshape(energy.shape), g_out.reshape(shape)
