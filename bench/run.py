@@ -10,7 +10,8 @@ Workloads (fixed, so that runs compare over time):
          vmap(grad) + lax.scan), and fnebm's compiled runner (backend="compiled")
   W1out  W1 for fnebm alone, the trace allocated per call (as in W1) against the trace
          buffers of an earlier call passed back as sample_chain(out=...)
-  W3     MALA, same target and sizes; peer: BlackJAX mala (jit + vmap + lax.scan)
+  W3     MALA, same target and sizes; peers: BlackJAX mala (jit + vmap + lax.scan), and fnebm's
+         compiled runner (backend="compiled")
   W4     CD-10 training: 10 training steps of an MLP energy 2-128-128-1 (SiLU; fnebm train's model:
          no output bias, + 0.01 |x|^2 / 2), batch 1,024 of eight Gaussians (the same batches for
          both), negatives from 10 unadjusted Langevin steps started at the data (step 0.01, noise
@@ -117,8 +118,8 @@ def _dynamo_graphs() -> int:
 
 
 def fnebm_chain(make_alg, chains, steps, out=False, backend="auto"):
-    # backend "auto" is what a user gets: on the CPU, Langevin on the double well runs in the C
-    # whole-chain kernel (fnebm.kernels.cpu_chain), MALA in the compiled runner
+    # backend "auto" is what a user gets: on the CPU, Langevin and MALA on the double well run in
+    # the C whole-chain kernel (fnebm.kernels.cpu_chain)
     alg = make_alg(energies.double_well(H, B))
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (chains, DIM)))
     key = fr.key(1)
@@ -145,6 +146,10 @@ def fnebm_langevin_out(chains, steps):
 
 def fnebm_mala(chains, steps):
     return fnebm_chain(lambda e: fnebm.mala(e, ETA), chains, steps)
+
+
+def fnebm_mala_compiled(chains, steps):
+    return fnebm_chain(lambda e: fnebm.mala(e, ETA), chains, steps, backend="compiled")
 
 
 def _w5_step_sizes(n_sizes: int, sweep: int = 0) -> torch.Tensor:
@@ -667,7 +672,7 @@ WORKLOADS = {
     "W3": dict(
         title="MALA, 10-D double well, {chains} chains x {steps} steps",
         ours=("fnebm", fnebm_mala),
-        peers=[("BlackJAX", blackjax_mala)],
+        peers=[("BlackJAX", blackjax_mala), ("fnebm compiled runner", fnebm_mala_compiled)],
         full=dict(chains=10_000, steps=100),
         quick=dict(chains=1_000, steps=20),
     ),

@@ -248,13 +248,32 @@ def build_args(argv):
 
 
 def test_auto_runs_a_short_run_eagerly_and_says_so(tmp_path, capsys):
-    # auto (the default): 8 chains x 3 steps cost far less eagerly than a compile (~0.5 s)
+    # auto (the default): 8 chains x 3 steps cost far less eagerly than a compile (~0.5 s);
+    # Rastrigin, which no hand-written CPU kernel covers
     argv = [a for a in EAGER if a != "--no-compile"]
-    code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv, "--out", tmp_path / "x.pt")
+    code, out, err = run(capsys, "sample", "--energy", "rastrigin", *argv, "--out", tmp_path / "x.pt")
     assert (code, err) == (0, "")
     summary = torch.load(tmp_path / "x.pt")["summary"]
     assert summary["compiled"] is False and summary["compile_s"] is None
     assert summary["path"].startswith("auto: ") and "path         eager (auto: " in out
+
+
+def test_auto_runs_a_covered_run_in_the_c_kernel_and_says_so(tmp_path, capsys):
+    from fnebm.kernels import cpu_chain
+
+    if cpu_chain.available() is not None:
+        pytest.skip(f"the C kernel is unavailable here: {cpu_chain.available()}")
+    argv = [a for a in EAGER if a != "--no-compile"]
+    code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv, "--out", tmp_path / "x.pt")
+    assert (code, err) == (0, "")
+    record = torch.load(tmp_path / "x.pt")
+    summary = record["summary"]
+    assert summary["compiled"] is None and summary["compile_s"] is None
+    assert "path         the whole-chain C kernel (CPU), nothing compiled" in out
+    # the kernel writes the energies the command keeps: they are the draws' energies
+    target = cli.ENERGIES["harmonic"].build(record["trace"].shape[-1], torch.float32, "cpu")
+    torch.testing.assert_close(record["energy"], torch.func.vmap(torch.func.vmap(target))(record["trace"]),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_defaults_scale_with_dim_and_sampler():

@@ -250,3 +250,22 @@ def test_why_not_c_is_none_for_a_covered_run():
     chain = fnebm.chain.init(state, fr.key(0))
     assert be.why_not_c(alg.step, chain, be.position) is None
     assert "MALAState" in be.why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain, be.position)
+
+
+def test_position_and_energy_are_written_by_the_kernel():
+    alg, state = _state(energy=energies.Gaussian(torch.zeros(10), torch.linspace(0.5, 2.0, 10)))
+    collect = fnebm.chain.position_and_energy
+    plans = []
+    chain, (xs, es), info = fnebm.sample_chain(alg.step, state, fr.key(1), 9, thin=3, collect=collect,
+                                               progress=False, on_plan=plans.append)
+    assert plans[0].kernel
+    _, (xs_e, es_e), _ = fnebm.sample_chain(alg.step, state, fr.key(1), 9, thin=3, collect=collect,
+                                            backend="eager", progress=False)
+    torch.testing.assert_close(xs, xs_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(es, es_e, rtol=1e-4, atol=1e-5)
+    assert es.shape == (3, 50)
+    # out= with the pair: filled in place
+    bufs = ((torch.empty_like(xs), torch.empty_like(es)), info)
+    _, (xo, eo), _ = fnebm.sample_chain(alg.step, state, fr.key(1), 9, thin=3, collect=collect, out=bufs,
+                                        progress=False)
+    assert xo is bufs[0][0] and eo is bufs[0][1] and torch.equal(eo, es) and torch.equal(xo, xs)

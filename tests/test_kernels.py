@@ -390,17 +390,23 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     key = fr.key(0, DEVICE)
     chain = fnebm.chain.init(state, key)
 
-    def refuses(match, step=alg.step, chain=chain, collect=chain_backend.position):
+    def refuses(match, step=alg.step, chain=chain, collect=chain_backend.position, auto=None):
         with pytest.raises(ValueError, match=match):
             chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="triton")
-        assert chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="auto") is None
+        # "auto" then runs no kernel, or (on the CPU) the C kernel where it covers the run
+        run = chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="auto")
+        assert (run and run.engine) == auto
 
     def served(backend):
         return chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
                                            backend=backend) is not None
 
-    # on CPU: served by "triton" under the interpreter with the test switch, never by "auto"
-    assert served("triton") and served("auto") == (DEVICE == "cuda")
+    # on CPU: served by "triton" under the interpreter with the test switch; "auto" takes the
+    # Triton kernel on CUDA and the C kernel on the CPU
+    assert served("triton") and served("auto")
+    auto = chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
+                                       backend="auto")
+    assert auto.engine == ("triton" if DEVICE == "cuda" else "c")
     assert not served("compiled") and not served("eager")
     refuses("not fnebm.langevin", step=fnebm.vmap_chains(lambda s, k: alg.step(s, k)))
     refuses("not fnebm.langevin", step=fnebm.hmc(energy, 0.1, num_integration_steps=3).step)
@@ -425,7 +431,7 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     _assert_runs_close(got, ref)
     if DEVICE == "cpu":
         monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", False)
-        refuses("not a CUDA device")
+        refuses("not a CUDA device", auto="c")
     with pytest.raises(ValueError, match="backend must be one of"):
         fnebm.sample_chain(alg.step, state, key, 2, backend="gpu")
     plans = []

@@ -12,8 +12,8 @@ has taken, burn-in included — so the same key gives the same trajectory compil
 chunked or not, in one call or continued across calls.
 """
 
-from fnebm.chain.loop import run
+from fnebm.chain.loop import position_and_energy, run
 from fnebm.chain.runner import RunnerCache, RunPlan, default_cache
 from fnebm.chain.sample import ChainState, init, sample_chain
 
-__all__ = ["sample_chain", "run", "init", "ChainState", "RunnerCache", "RunPlan", "default_cache"]
+__all__ = ["sample_chain", "run", "position_and_energy", "init", "ChainState", "RunnerCache", "RunPlan", "default_cache"]

@@ -40,7 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm.chain.loop import needs_grad, position
+from fnebm.chain.loop import needs_grad, position, position_and_energy
 from fnebm.chain.schedule import chunks, kept_in
 # fnebm.samplers exports the constructors langevin and mala, which hide these modules' names
 _langevin = importlib.import_module("fnebm.samplers.langevin")
@@ -100,8 +100,9 @@ def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
     state_type = _langevin.LangevinState if kind == "langevin" else _mala.MALAState
     if type(state) is not state_type:
         return f"the state is a {type(state).__name__}, not the {state_type.__name__} that {kind} steps"
-    if collect is not position:
-        return "collect is not the default (the position): the kernel writes positions only"
+    if collect is not position and collect is not position_and_energy:
+        return ("collect is neither the default (the position) nor fnebm.chain.position_and_energy: the kernel "
+                "writes those only")
     x = state.position
     if x.device.type != "cpu":
         return f"the chains are on {x.device.type}, not the CPU (the C kernel runs on the CPU)"
@@ -205,7 +206,7 @@ def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: in
                 raise ValueError(f'backend="c" cannot run this chain: {reason}. '
                                  'backend="auto" runs it with the compiled runner instead')
             return None
-        run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="c")
+        run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="c", collect=collect)
         run.engine = "c"
         return run
     if backend == "auto" and chain.keys.device.type != "cuda":
@@ -221,11 +222,15 @@ def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: in
     return run
 
 
-def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: int) -> tuple[Tensor, Any, Any]:
+def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: int,
+             with_energy: bool = False) -> tuple[Any, Any, Any]:
     """``(trace, info, copy_to)``: the buffers the kernel writes — the caller's ``out`` when its
-    tensors are contiguous, else fresh ones then copied into ``copy_to`` (``out``, or ``None``)."""
+    tensors are contiguous, else fresh ones then copied into ``copy_to`` (``out``, or ``None``).
+    ``trace`` is ``(positions, energies)`` when ``with_energy``, else the positions."""
     flag = torch.empty((n_kept,) + chains, dtype=torch.bool, device=x.device)
     trace = torch.empty((n_kept,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if with_energy:
+        trace = (trace, torch.empty((n_kept,) + chains, dtype=x.dtype, device=x.device))
     if kind == "mala":
         info = _mala.MALAInfo(torch.empty((n_kept,) + chains, dtype=x.dtype, device=x.device), flag, flag.clone())
     else:
@@ -246,7 +251,7 @@ def _buffers(out: Any, kind: str, x: Tensor, chains: tuple[int, ...], n_kept: in
     return trace, info, out
 
 
-def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out=None,
+def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, collect: Callable = position, out=None,
          chunk_size: int | None = None, progress: bool | None = None,
          on_chunk: Callable | None = None) -> tuple[Any, Any, Any]:
     from fnebm.chain.sample import ChainState  # sample imports this module
@@ -259,8 +264,10 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out
     h = _per_chain(step_size, x, chains)
     s = _per_chain(noise_scale if noise_scale is not None else torch.ones(()), x, chains)
     n_kept = n_steps // thin
-    trace, info, copy_to = _buffers(out, kind, x, chains, n_kept)
-    outputs = (trace, *info)
+    with_energy = collect is position_and_energy
+    trace, info, copy_to = _buffers(out, kind, x, chains, n_kept, with_energy)
+    outputs = (trace[0] if with_energy else trace, *info)
+    more = {"energy_trace": trace[1]} if with_energy else {}
     total = burn_in + n_steps
     show = sys.stderr.isatty() if progress is None else bool(progress)
     if chunk_size is None:
@@ -277,7 +284,7 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out
             k = kept_in(a, b, burn_in, thin, n_kept)
             first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
             x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
-                                  n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0)
+                                  n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0, **more)
             if on_chunk is not None:
                 if x.device.type != "cpu":
                     torch.accelerator.synchronize(x.device)
@@ -288,7 +295,7 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, out
         if bar is not None:
             bar.close()
     if copy_to is not None:  # out= with non-contiguous buffers
-        for buf, new in zip(pytree.tree_leaves(copy_to), outputs):
+        for buf, new in zip(pytree.tree_leaves(copy_to), pytree.tree_leaves((trace, info))):
             buf.copy_(new)
         trace, info = copy_to
     final = type(state)(x, e, g)

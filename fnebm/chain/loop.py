@@ -25,12 +25,19 @@ from torch._higher_order_ops.scan import scan
 from fnebm import _checks
 from fnebm import random as fr
 
-__all__ = ["run", "position"]
+__all__ = ["run", "position", "position_and_energy"]
 
 
 def position(state: Any) -> Tensor:
     """The default ``collect``: what a trace keeps of a state."""
     return state.position
+
+
+def position_and_energy(state: Any) -> tuple[Tensor, Tensor]:
+    """A ``collect`` that keeps the position and the energy (what ``fnebm sample`` keeps). The
+    CPU's whole-chain kernel (``sample_chain``'s ``backend="c"``) writes both, as it writes the
+    position for the default ``collect``."""
+    return state.position, state.energy
 
 
 def _steps(start: int | Tensor, n_steps: int, device: torch.device) -> Tensor:

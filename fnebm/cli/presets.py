@@ -14,6 +14,7 @@ from torch import Tensor
 import fnebm
 from fnebm import energies as E
 from fnebm.adaptation.window import default_num_integration_steps
+from fnebm.chain import position_and_energy
 
 
 class Truth(NamedTuple):
@@ -208,8 +209,10 @@ def default_steps(energy: str, dim: int, sampler: str = "mala") -> int:
     return int(float(f"{steps:.2g}"))
 
 
-def _collect(state: Any) -> tuple[Tensor, Tensor]:
-    return state.position, state.energy
+# the position and the energy of each kept step: fnebm.chain.position_and_energy, which the CPU's
+# whole-chain kernel writes itself (so `fnebm sample` with Langevin or MALA on a double well,
+# harmonic or diagonal Gaussian runs in it)
+_collect = position_and_energy
 
 
 def _extra(sampler: str, dim: int) -> dict[str, Any]:

@@ -75,8 +75,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--compile", dest="compile", action="store_const", const=True, default="auto",
-                     help="always compile the steps with torch.compile (default: compile only when running "
-                          "them eagerly would take longer than a compile)")
+                     help="always compile the steps with torch.compile (default: a hand-written whole-chain "
+                          "kernel where one covers the run, e.g. Langevin or MALA on double_well, harmonic or a "
+                          "diagonal gaussian on the CPU; otherwise compile only when running the steps eagerly "
+                          "would take longer than a compile)")
     how.add_argument("--no-compile", dest="compile", action="store_const", const=False,
                      help="never compile: run the steps eagerly (same draws up to float rounding)")
     p.add_argument("--profile", action="store_true",
@@ -376,6 +378,8 @@ class _Calls:
         if main >= len(self.plans) or self.plans[main] is None:
             return None, "a hand-written kernel (no plan reported)"
         plan = self.plans[main]
+        if getattr(plan, "kernel", False):  # e.g. "backend='auto': the whole-chain C kernel (CPU)"
+            return None, plan.reason.split(": ", 1)[-1] + ", nothing compiled"
         if self.cfg.compile is True:
             why = "--compile"
         elif self.cfg.compile is False:
@@ -390,6 +394,12 @@ class _Calls:
         if ramp:
             why += f"; {sum(p.steps for p in ramp)} burn-in steps ran {'compiled' if ramp[0].compiled else 'eagerly'}"
         return plan.compiled, why
+
+
+def _backend(cfg: Config) -> str:
+    """``sample_chain``'s backend: ``--compile`` asks for torch.compile, so it never takes a
+    hand-written kernel; otherwise one runs where it covers the run (docs/kernels.md)."""
+    return "compiled" if cfg.compile is True else "auto"
 
 
 def _warmup_notice(cfg: Config) -> Any:
@@ -457,12 +467,12 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         for fraction, n in ramp:  # each is one short call: the graph is shared (parameters are data)
             step = _algorithm(target, cfg.sampler, cfg.step_size * fraction, cfg.dim).step
             chain, _, _ = fnebm.sample_chain(step, chain, key, n, collect=_collect, chunk_size=n,
-                                             compile=cfg.compile, progress=False,
+                                             compile=cfg.compile, backend=_backend(cfg), progress=False,
                                              on_plan=calls.on_plan, on_chunk=calls.on_chunk)
             key = None
         chain, (positions, energies), info = fnebm.sample_chain(
             alg.step, chain, key, cfg.steps, burn_in=rest, thin=cfg.thin, collect=_collect,
-            chunk_size=_chunk_size(rest + cfg.steps), compile=cfg.compile, progress=False,
+            chunk_size=_chunk_size(rest + cfg.steps), compile=cfg.compile, backend=_backend(cfg), progress=False,
             on_plan=plotting.after(calls.on_plan), on_chunk=calls.on_chunk,
         )
         _sync(device)

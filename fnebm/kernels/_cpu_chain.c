@@ -157,6 +157,7 @@ typedef struct {
     int8_t *div;
     float *rate;  /* MALA: the acceptance rate of each kept step */
     int8_t *acc;  /* MALA: whether it was accepted */
+    float *e_trace; /* the energy at each kept step (draws, n_chains), or NULL */
 } args_t;
 
 /* every step of the chains c0 .. c0 + CB - 1 (those past n_chains run on zeros, never stored);
@@ -318,6 +319,9 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                     row[j * d + i] = x[i * CB + j];
             for (int64_t j = 0; j < nc; j++)
                 a->div[draw * n_chains + c0 + j] = !ok[j];
+            if (a->e_trace != NULL)
+                for (int64_t j = 0; j < nc; j++)
+                    a->e_trace[draw * n_chains + c0 + j] = e[j];
             if (mala)
                 for (int64_t j = 0; j < nc; j++) {
                     a->rate[draw * n_chains + c0 + j] = rate[j];

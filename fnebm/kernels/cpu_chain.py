@@ -61,7 +61,7 @@ class _Args(ctypes.Structure):
                                        "s_stride")]
         + [(n, ctypes.c_void_p) for n in ("x_in", "e_in", "g_in", "h_ptr", "s_ptr", "scalars", "vectors", "keys")]
         + [(n, ctypes.c_int64) for n in ("n_total", "first", "thin", "n_keep", "j0")]
-        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "trace", "div", "rate", "acc")]
+        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "trace", "div", "rate", "acc", "e_trace")]
     )
 
 
@@ -167,7 +167,8 @@ def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
 
 def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
              step_size: Tensor, noise_scale: Tensor, outputs: tuple[Tensor, ...], *, mala: bool, n_total: int,
-             first: int, thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
+             first: int, thin: int, n_keep: int, j0: int,
+             energy_trace: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``n_total`` Langevin (or MALA) steps of every chain from stream index ``start``, writing
     the kept draws into ``outputs = (trace (draws, *chains, d), *info (draws, *chains))`` (the
     info: Langevin's is_divergent; MALA's acceptance rate, is_accepted, is_divergent).
@@ -175,7 +176,8 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     As :func:`fnebm.kernels.langevin_chain.run_into`: step ``s`` is kept as draw
     ``j0 + (s - first) // thin`` when ``s >= first``, ``(s - first) % thin == 0`` and fewer than
     ``n_keep`` were kept before. float32 CPU tensors; ``step_size`` and ``noise_scale`` 0-dim or one
-    per chain (contiguous; MALA ignores the noise scale); ``outputs`` contiguous. The caller has checked the arguments
+    per chain (contiguous; MALA ignores the noise scale); ``outputs`` contiguous. ``energy_trace``
+    (``(draws, *chains)``, contiguous), when given, gets the energy at each kept step too. The caller has checked the arguments
     (:func:`covers`, dtype, shapes). Returns the final ``(position, energy, grad)``.
     """
     lib = _load()
@@ -203,7 +205,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
                  x.data_ptr(), e.data_ptr(), g.data_ptr(), h.data_ptr(), s.data_ptr(), scalars.data_ptr(),
                  vectors.data_ptr(), k.data_ptr(), n_total, first, thin, n_keep, j0,
                  x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), trace.data_ptr(), div.data_ptr(),
-                 rate.data_ptr(), acc.data_ptr())
+                 rate.data_ptr(), acc.data_ptr(), None if energy_trace is None else energy_trace.data_ptr())
     if n and lib.fnebm_langevin_chain(ctypes.byref(args), family, int(mala), torch.get_num_threads()) != 0:
         raise MemoryError("the C kernel could not allocate its scratch")
     shape = tuple(position.shape)
