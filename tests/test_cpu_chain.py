@@ -269,3 +269,35 @@ def test_position_and_energy_are_written_by_the_kernel():
     _, (xo, eo), _ = fnebm.sample_chain(alg.step, state, fr.key(1), 9, thin=3, collect=collect, out=bufs,
                                         progress=False)
     assert xo is bufs[0][0] and eo is bufs[0][1] and torch.equal(eo, es) and torch.equal(xo, xs)
+
+
+def test_runs_inside_vmap_fall_back_and_equal_the_eager_steps():
+    # sample_chain under torch.func.vmap holds wrapped tensors the kernel cannot read: "auto" runs
+    # the eager steps, and "c" says why
+    def run(x0, backend="auto"):
+        alg = fnebm.langevin(energies.double_well(), 0.01)
+        state = torch.func.vmap(alg.init)(x0)
+        return fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, backend=backend)[1]
+
+    x0 = fr.normal(fr.key(0), (2, 4, 3))
+    got = torch.func.vmap(run)(x0)
+    want = torch.stack([run(x, backend="eager") for x in x0])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="torch.func transform"):
+        torch.func.vmap(lambda x: run(x, backend="c"))(x0)
+
+
+def test_run_into_checks_what_it_reads():
+    energy = energies.double_well()
+    x = torch.zeros(4, 3)
+    keys = fr.split(fr.key(0), 4)
+    outputs = _outputs(1, x)
+    e, g = energy(x), energy.grad(x)
+    one = torch.tensor(1.0)
+    kw = dict(mala=False, n_total=1, first=0, thin=1, n_keep=1, j0=0)
+    with pytest.raises(ValueError, match="step_size must hold 1 or 4"):
+        cpu_chain.run_into(energy, x, e, g, keys, 0, torch.full((2,), 0.1), one, outputs, **kw)
+    with pytest.raises(TypeError, match="step_size must be a float32"):
+        cpu_chain.run_into(energy, x, e, g, keys, 0, torch.tensor(0.1, dtype=torch.float64), one, outputs, **kw)
+    with pytest.raises(ValueError, match="keys must be"):
+        cpu_chain.run_into(energy, x, e, g, keys[:3], 0, one, one, outputs, **kw)

@@ -122,6 +122,10 @@ def _common(x: Tensor, energy: Any, state: Any, chain: Any, step_size: Any, nois
             max_dim: int | None) -> str | None:
     """The checks both kernels make on dtypes, devices, shapes and tunables."""
     device = x.device
+    held = [x, state.energy, state.grad, chain.keys, chain.steps_taken, *(
+        t for t in (step_size, noise_scale, *pytree.tree_leaves(energy)) if isinstance(t, Tensor))]
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in held if isinstance(t, Tensor)):
+        return "the run is inside a torch.func transform (vmap, grad): the kernels read plain tensors"
     if x.dtype != torch.float32:
         return f"the position is {x.dtype}; the kernels cover float32 (the stream's normals are float32)"
     if energy.dtype != x.dtype or energy.device != device:
@@ -204,7 +208,7 @@ def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: in
         if reason is not None:
             if backend == "c":
                 raise ValueError(f'backend="c" cannot run this chain: {reason}. '
-                                 'backend="auto" runs it with the compiled runner instead')
+                                 'backend="auto" runs it with the compiled runner or eagerly instead, as compile says')
             return None
         run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="c", collect=collect)
         run.engine = "c"
@@ -215,7 +219,7 @@ def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: in
     if reason is not None:
         if backend == "triton":
             raise ValueError(f'backend="triton" cannot run this chain: {reason}. '
-                             'backend="auto" runs it with the compiled runner instead')
+                             'backend="auto" runs it with the compiled runner or eagerly instead, as compile says')
         return None
     run = functools.partial(_run, step, chain, n_steps, burn_in, thin, engine="triton")
     run.engine = "triton"

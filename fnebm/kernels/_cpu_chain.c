@@ -1,15 +1,17 @@
 /* Whole chains of unadjusted Langevin or MALA for separable analytic energies, on the CPU.
  *
- * The C twin of fnebm/kernels/langevin_chain.py's Triton kernel: a block of CB chains keeps its
- * positions and gradients in small arrays (one vector register per element across the block) and
- * runs every step: the step's key fold_in(keys[c], t), the noise normal(key, (d,)) of the
- * fnebm.random stream (Philox4x32-10, Box-Muller on lanes (0, 1) and (2, 3), element i lane
- * i // m of block i % m), the energy and gradient in closed form at the proposal, the
- * divergence check, and the kept draws written straight into the trace.
+ * The C counterpart of fnebm/kernels/langevin_chain.py's Triton kernel: a block of CB chains
+ * keeps its positions and gradients in small arrays (one vector register per element across the
+ * block) and runs every step: the step's key fold_in(keys[c], t) (MALA: split into the noise's and
+ * the uniform's keys), the noise normal(key, (d,)) of the fnebm.random stream (Philox4x32-10,
+ * Box-Muller on lanes (0, 1) and (2, 3), element i lane i // m of block i % m), the energy and
+ * gradient in closed form at the proposal, the divergence check, MALA's accept/reject, and the
+ * kept draws written straight into the trace.
  *
- * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O3 -march=native -fopenmp,
- * libmvec for the vector log/sin/cos) and called through ctypes, which releases the GIL.
- * The pure-torch twin that defines it is langevin_chain_torch.
+ * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O3 -march=native -fopenmp; log,
+ * exp, sin and cos are Cephes' polynomials below, written so that GCC vectorises them) and called
+ * through ctypes, which releases the GIL. The pure-torch twins that define it are
+ * langevin_chain_torch and mala_chain_torch.
  */
 #include <math.h>
 #include <stdint.h>

@@ -44,9 +44,10 @@ from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic
 __all__ = ["available", "covers", "run_into", "FLAGS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_chain.c")
-# -mprefer-vector-width=512: GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless told;
-# the kernel's blocks are 16 float32 chains, one 512-bit register (ignored where there is none).
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# -mprefer-vector-width=512 (x86 only): GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless
+# told; the kernel's blocks are 16 float32 chains, one 512-bit register (ignored where there is none).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC") + (
+    ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
 # The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
 _FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2}
 
@@ -82,11 +83,30 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library may be built: ``$FNEBM_CACHE_DIR`` if set; else ``~/.cache/fnebm`` (or
+    ``$XDG_CACHE_HOME/fnebm``), then a folder of this user's own under the temporary directory."""
     root = os.environ.get("FNEBM_CACHE_DIR")
     if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fnebm"
+        return [Path(root)]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fnebm"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return [home, Path(tempfile.gettempdir()) / f"fnebm-{uid}"]
+
+
+def _usable(folder: Path) -> bool:
+    """Creates ``folder`` if needed; whether this user may build there and load from it: a folder
+    others can write to could hold a planted library (Inductor checks its cache the same way)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = folder.stat()
+    except OSError:
+        return False
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return False
+    return True
 
 
 def _build(cc: str) -> Path:
@@ -98,10 +118,15 @@ def _build(cc: str) -> Path:
         raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
     digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                         _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:20]
-    target = _cache_dir() / f"cpu_chain-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    folders = _cache_dirs()
+    for folder in folders:
+        if (folder / f"cpu_chain-{digest}.so").exists() and _usable(folder):
+            return folder / f"cpu_chain-{digest}.so"
+    usable = [f for f in folders if _usable(f)]
+    if not usable:
+        raise RuntimeError(f"cannot write the build cache ({', '.join(map(str, folders))}: missing, not writable, or "
+                           "writable by others); set FNEBM_CACHE_DIR to a folder of your own")
+    target = usable[0] / f"cpu_chain-{digest}.so"
     # compile beside the target and rename: another process never loads a half-written library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -111,6 +136,7 @@ def _build(cc: str) -> Path:
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
             raise RuntimeError(f"{cc} failed to build the C kernel: {first}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600, which the linker kept
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -185,6 +211,16 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
         raise RuntimeError(f"the C kernel is unavailable: {_why}")
     d = position.shape[-1]
     n = keys.numel() // 2
+    if tuple(keys.shape[:-1]) != tuple(position.shape[:-1]) or keys.shape[-1:] != (2,):
+        raise ValueError(f"keys must be (*chains, 2) for a position (*chains, d), got {tuple(keys.shape)} and "
+                         f"{tuple(position.shape)}")
+    for name, t in (("position", position), ("energy", energy), ("grad", grad), ("step_size", step_size),
+                    ("noise_scale", noise_scale), *((f"outputs[{i}]", o) for i, o in enumerate(outputs[:1]))):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor for the C kernel, got {t.dtype} on {t.device}")
+    for name, t in (("step_size", step_size), ("noise_scale", noise_scale)):
+        if t.numel() not in (1, n):  # one value, or one per chain in the chains' order
+            raise ValueError(f"{name} must hold 1 or {n} values (one per chain), got shape {tuple(t.shape)}")
     family, scalars, vectors = _params(energy_fn, d)
     x = position.reshape(n, d).contiguous()
     g = grad.reshape(n, d).contiguous()
