@@ -8,13 +8,14 @@ so nothing is warm but the disk. Per (workload, implementation) it reports:
   first    seconds of the first call (building the sampler and its graph included, import not):
            the time to first result
   warm     median of the next --warm calls in the same process
-For fnebm, three rows:
-  fnebm (auto)                     the default, sample_chain(compile="auto"): a short run runs
-                                   eagerly when that costs less than a compile
-  fnebm (compile, empty cache)     compile=True with Inductor's on-disk cache pointed at an empty
-                                   directory: a first run ever
-  fnebm (compile, second process)  compile=True again with that directory: what a second process
-                                   with the same sampler and shapes pays
+For fnebm, four rows:
+  fnebm (auto, empty cache)        the default, sample_chain(compile="auto", backend="auto"): on
+                                   the CPU the C whole-chain kernel, built by cc into an empty
+                                   FNEBM_CACHE_DIR first (a first run ever on a machine)
+  fnebm (auto, second process)     the same with that directory: the library is loaded
+  fnebm (compiled, empty cache)    backend="compiled" (torch.compile) with Inductor's on-disk cache
+                                   pointed at an empty directory
+  fnebm (compiled, second process) the same again with that directory
 JAX keeps no compilation cache on disk by default, so its every process is a first one.
 
 Method (the machine is noisy): the implementations are run in turn, round by round (A B C ...
@@ -38,9 +39,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 IMPLS = {
-    "W1": ["fnebm (auto)", "fnebm (compile, empty cache)", "fnebm (compile, second process)", "JAX", "TorchEBM 0.8",
-           "PyTorch eager"],
-    "W3": ["fnebm (auto)", "fnebm (compile, empty cache)", "fnebm (compile, second process)", "BlackJAX"],
+    "W1": ["fnebm (auto, empty cache)", "fnebm (auto, second process)", "fnebm (compiled, empty cache)",
+           "fnebm (compiled, second process)", "JAX", "TorchEBM 0.8", "PyTorch eager"],
+    "W3": ["fnebm (auto, empty cache)", "fnebm (auto, second process)", "fnebm (compiled, empty cache)",
+           "fnebm (compiled, second process)", "BlackJAX"],
 }
 PEER = {"W1": "JAX", "W3": "BlackJAX"}
 
@@ -65,15 +67,15 @@ def _worker(impl: str, workload: str, n_warm: int, quick: bool) -> dict:
         from fnebm import energies
         from fnebm import random as fr
 
-        compile = "auto" if impl == "fnebm (auto)" else True
+        backend, compile = ("auto", "auto") if impl.startswith("fnebm (auto") else ("compiled", True)
         make = fnebm.langevin if workload == "W1" else fnebm.mala
         alg = make(energies.double_well(bench.H, bench.B), bench.ETA)
         state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (size["chains"], bench.DIM)))
         plans = []
 
         def call():
-            return fnebm.sample_chain(alg.step, state, fr.key(1), size["steps"], compile=compile, progress=False,
-                                      on_plan=plans.append)[1]
+            return fnebm.sample_chain(alg.step, state, fr.key(1), size["steps"], compile=compile, backend=backend,
+                                      progress=False, on_plan=plans.append)[1]
     else:
         make = {"JAX": bench.jax_langevin, "BlackJAX": bench.blackjax_mala, "TorchEBM 0.8": bench.torchebm_langevin,
                 "PyTorch eager": bench.torch_eager_langevin}[impl]
@@ -96,6 +98,7 @@ def _worker(impl: str, workload: str, n_warm: int, quick: bool) -> dict:
 
 def _spawn(impl, workload, n_warm, quick, threads, cache_dir):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=cache_dir,
+               FNEBM_CACHE_DIR=os.path.join(cache_dir, "fnebm"),
                XLA_FLAGS=f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, workload, "--warm", str(n_warm)]
     if quick:

@@ -8,7 +8,7 @@
  * gradient in closed form at the proposal, the divergence check, MALA's accept/reject, and the
  * kept draws written straight into the trace.
  *
- * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O3 -march=native -fopenmp; log,
+ * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O2 -march=native -fopenmp; log,
  * exp, sin and cos are Cephes' polynomials below, written so that GCC vectorises them) and called
  * through ctypes, which releases the GIL. The pure-torch twins that define it are
  * langevin_chain_torch and mala_chain_torch.
@@ -341,8 +341,19 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
     }
 }
 
+/* The file is compiled twice, in parallel: -DFNEBM_MALA=0 gives fnebm_langevin_chain, -DFNEBM_MALA=1
+ * fnebm_mala_chain (each holds three specialised copies of run_block). */
+#ifndef FNEBM_MALA
+#error "compile with -DFNEBM_MALA=0 (Langevin) or -DFNEBM_MALA=1 (MALA)"
+#endif
+#if FNEBM_MALA
+#define ENTRY fnebm_mala_chain
+#else
+#define ENTRY fnebm_langevin_chain
+#endif
+
 /* Returns 0, or -1 when a thread could not allocate its scratch (nothing is then valid). */
-int fnebm_langevin_chain(const args_t *a, int family, int mala, int n_threads) {
+int ENTRY(const args_t *a, int family, int n_threads) {
     const int64_t n_blocks = (a->n_chains + CB - 1) / CB;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -357,21 +368,12 @@ int fnebm_langevin_chain(const args_t *a, int family, int mala, int n_threads) {
             if (buf == NULL)
                 continue;
             int64_t c0 = blk * CB;
-            if (mala) {
-                if (family == DOUBLE_WELL)
-                    run_block(a, c0, buf, DOUBLE_WELL, 1);
-                else if (family == HARMONIC)
-                    run_block(a, c0, buf, HARMONIC, 1);
-                else
-                    run_block(a, c0, buf, GAUSSIAN, 1);
-            } else {
-                if (family == DOUBLE_WELL)
-                    run_block(a, c0, buf, DOUBLE_WELL, 0);
-                else if (family == HARMONIC)
-                    run_block(a, c0, buf, HARMONIC, 0);
-                else
-                    run_block(a, c0, buf, GAUSSIAN, 0);
-            }
+            if (family == DOUBLE_WELL)
+                run_block(a, c0, buf, DOUBLE_WELL, FNEBM_MALA);
+            else if (family == HARMONIC)
+                run_block(a, c0, buf, HARMONIC, FNEBM_MALA);
+            else
+                run_block(a, c0, buf, GAUSSIAN, FNEBM_MALA);
         }
         free(buf);
     }
