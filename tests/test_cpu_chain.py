@@ -301,3 +301,28 @@ def test_run_into_checks_what_it_reads():
         cpu_chain.run_into(energy, x, e, g, keys, 0, torch.tensor(0.1, dtype=torch.float64), one, outputs, **kw)
     with pytest.raises(ValueError, match="keys must be"):
         cpu_chain.run_into(energy, x, e, g, keys[:3], 0, one, one, outputs, **kw)
+
+
+def test_the_op_equals_the_twins_and_traces_whole():
+    energy = energies.double_well(2.0, 1.0)
+    x = fr.normal(fr.key(8), (20, 4))
+    keys = fr.split(fr.key(9), 20)
+    h = torch.linspace(0.01, 0.1, 20)
+    got = cpu_chain.mala_chain(energy, x, energy(x), energy.grad(x), keys, 5, h, n_steps=6, burn_in=2, thin=2)
+    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 5, h, n_steps=6, burn_in=2, thin=2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    got = cpu_chain.langevin_chain(energy, x, energy(x), energy.grad(x), keys, 5, 0.05, 0.5, n_steps=4)
+    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 5, 0.05, 0.5, n_steps=4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # one node in a fullgraph trace (aot_eager: the same trace as Inductor, without its C++ compile)
+    run = torch.compile(lambda x, k: cpu_chain.langevin_chain(energy, x, energy(x), energy.grad(x), k, 5, 0.05, 0.5,
+                                                              n_steps=4).trace, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(run(x, keys), got.trace)
+    with pytest.raises(TypeError, match="Rastrigin"):
+        cpu_chain.langevin_chain(energies.rastrigin(), x, x[:, 0], x, keys, 0, 0.1, n_steps=2)
+    with pytest.raises(TypeError, match="float32"):
+        x64 = x.double()
+        e64 = energies.double_well(2.0, 1.0, dtype=torch.float64)
+        cpu_chain.langevin_chain(e64, x64, e64(x64), e64.grad(x64), keys, 0, 0.1, n_steps=2)

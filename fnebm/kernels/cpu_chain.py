@@ -41,7 +41,7 @@ from torch import Tensor
 
 from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic
 
-__all__ = ["available", "covers", "run_into", "FLAGS"]
+__all__ = ["available", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_chain.c")
 # -O2: as fast as -O3 here (the loops that matter are `omp simd`, vectorised either way; W1 27.6 vs
@@ -230,7 +230,28 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     for name, t in (("step_size", step_size), ("noise_scale", noise_scale)):
         if t.numel() not in (1, n):  # one value, or one per chain in the chains' order
             raise ValueError(f"{name} must hold 1 or {n} values (one per chain), got shape {tuple(t.shape)}")
+    draws = outputs[0].shape[0] if outputs[0].ndim else 0
+    want = [(tuple(position.shape), torch.float32)] + [(tuple(keys.shape[:-1]), dt) for dt in
+                                                        ((torch.float32, torch.bool, torch.bool) if mala else (torch.bool,))]
+    if energy_trace is not None:
+        want.append((tuple(keys.shape[:-1]), torch.float32))
+    given = list(outputs) + ([] if energy_trace is None else [energy_trace])
+    if len(given) != len(want) or any(not t.is_contiguous() or tuple(t.shape[1:]) != shape or t.dtype != dt
+                                      or t.shape[0] != draws or t.device.type != "cpu"
+                                      for t, (shape, dt) in zip(given, want)):
+        raise ValueError(f"outputs must be contiguous CPU tensors (draws, ...) of the shapes and dtypes {want}")
+    if min(n_total, thin) < 1 or min(first, n_keep, j0) < 0 or j0 + n_keep > draws:
+        raise ValueError(f"bad schedule: n_total={n_total}, first={first}, thin={thin}, n_keep={n_keep}, j0={j0} "
+                         f"for {draws} draws")
     family, scalars, vectors = _params(energy_fn, d)
+    return _launch(lib, family, scalars, vectors, position, energy, grad, keys, int(start), step_size, noise_scale,
+                   outputs, mala, n_total, first, thin, n_keep, j0, energy_trace)
+
+
+def _launch(lib, family, scalars, vectors, position, energy, grad, keys, start: int, step_size, noise_scale, outputs,
+            mala, n_total, first, thin, n_keep, j0, energy_trace):
+    d = position.shape[-1]
+    n = keys.numel() // 2
     x = position.reshape(n, d).contiguous()
     g = grad.reshape(n, d).contiguous()
     e = energy.reshape(n).contiguous()
@@ -238,6 +259,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     h = step_size.reshape(-1).contiguous()
     s = noise_scale.reshape(-1).contiguous()
     x_out, g_out, e_out = torch.empty_like(x), torch.empty_like(g), torch.empty_like(e)
+    scalars, vectors = scalars.to(torch.float32).contiguous(), vectors.to(torch.float32).contiguous()
     trace = outputs[0]
     if mala:
         rate, acc, div = outputs[1], outputs[2].view(torch.int8), outputs[3].view(torch.int8)
@@ -245,7 +267,6 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     else:
         div = outputs[1].view(torch.int8)
         rate, acc = trace, div  # not written: MALA is off
-    start = int(start)
     args = _Args(n, d, k.stride(0), k.stride(1), start, 1 if h.numel() > 1 else 0, 1 if s.numel() > 1 else 0,
                  x.data_ptr(), e.data_ptr(), g.data_ptr(), h.data_ptr(), s.data_ptr(), scalars.data_ptr(),
                  vectors.data_ptr(), k.data_ptr(), n_total, first, thin, n_keep, j0,
@@ -256,3 +277,82 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
         raise MemoryError("the C kernel could not allocate its scratch")
     shape = tuple(position.shape)
     return x_out.reshape(shape), e_out.reshape(energy.shape), g_out.reshape(shape)
+
+
+# ------------------------------------------------------------------------------ the ops
+# As the Triton kernels, the C kernel is a torch op (``torch.ops.fnebm.cpu_chain``), so a call
+# sits inside a torch.compile(fullgraph=True) graph as one opaque node; the fake gives shapes.
+
+
+@torch.library.custom_op("fnebm::cpu_chain", mutates_args=())
+def _chain_op(x: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor, step_size: Tensor,
+              noise_scale: Tensor, scalars: Tensor, vectors: Tensor, family: int, mala: bool, n_steps: int,
+              burn_in: int, thin: int) -> list[Tensor]:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the C kernel is unavailable: {_why}")
+    outputs = _fresh(x, n_steps // thin, mala)
+    final = _launch(lib, family, scalars, vectors, x, energy, grad, keys, int(start), step_size.contiguous(),
+                    noise_scale.contiguous(), outputs, mala, burn_in + n_steps, burn_in + thin - 1, thin,
+                    n_steps // thin, 0, None)
+    return [*final, *outputs]
+
+
+def _fresh(x: Tensor, draws: int, mala: bool) -> tuple[Tensor, ...]:
+    chains = (draws,) + tuple(x.shape[:-1])
+    trace = torch.empty((draws,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if mala:
+        return (trace, torch.empty(chains, dtype=x.dtype, device=x.device), torch.empty(chains, dtype=torch.bool,
+                device=x.device), torch.empty(chains, dtype=torch.bool, device=x.device))
+    return trace, torch.empty(chains, dtype=torch.bool, device=x.device)
+
+
+@_chain_op.register_fake
+def _(x, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, family, mala, n_steps, burn_in, thin):
+    final = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, energy, grad)]
+    return [*final, *_fresh(x, n_steps // thin, mala)]
+
+
+def _run_op(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
+    # the twins' checks (the module imports triton where it is installed, so not at import time here)
+    from fnebm.kernels.langevin_chain import _check
+
+    reason = covers(energy_fn)
+    if reason is not None:
+        raise TypeError(f"energy_fn: {reason}")
+    if not isinstance(position, Tensor) or position.device.type != "cpu":
+        raise TypeError(f"position must be a CPU tensor for the C kernel (the Triton kernels run on CUDA), got "
+                        f"{getattr(position, 'device', type(position).__name__)}")
+    _, start, h, s = _check(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps,
+                               burn_in, thin, dtypes=(torch.float32,))
+    family, scalars, vectors = _params(energy_fn, position.shape[-1])
+    h = h if h.ndim == 0 else h.contiguous()
+    s = s if s.ndim == 0 else s.contiguous()
+    return torch.ops.fnebm.cpu_chain(position, energy, grad, keys, start, h, s, scalars, vectors, family, mala,
+                                     n_steps, burn_in, thin)
+
+
+def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
+                   step_size: Tensor | float, noise_scale: Tensor | float = 1.0, *, n_steps: int, burn_in: int = 0,
+                   thin: int = 1):
+    """Unadjusted Langevin, the whole run in one call of the C kernel (the op ``torch.ops.fnebm.cpu_chain``).
+
+    Same arguments, meaning and result (a :class:`~fnebm.kernels.LangevinChain`) as
+    :func:`~fnebm.kernels.langevin_chain_torch`, for float32 CPU tensors and an energy :func:`covers`
+    says the C kernel computes; agrees with the twin to float tolerance. Metadata checks only: it
+    traces under ``torch.compile(fullgraph=True)``. Not differentiable.
+    """
+    from fnebm.kernels.langevin_chain import LangevinChain
+
+    return LangevinChain(*_run_op(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps,
+                                  burn_in, thin, mala=False))
+
+
+def mala_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
+               step_size: Tensor | float, *, n_steps: int, burn_in: int = 0, thin: int = 1):
+    """MALA, the whole run in one call of the C kernel; as :func:`~fnebm.kernels.mala_chain_torch`
+    (a :class:`~fnebm.kernels.MALAChain`), for what :func:`langevin_chain` covers."""
+    from fnebm.kernels.langevin_chain import MALAChain
+
+    return MALAChain(*_run_op(energy_fn, position, energy, grad, keys, start, step_size, 1.0, n_steps, burn_in, thin,
+                              mala=True))
