@@ -613,6 +613,11 @@ def test_matplotlib_is_imported_after_every_decision_that_times_steps(small_demo
     real_on_plan = cs._Calls.on_plan
     monkeypatch.setattr(cs._Calls, "on_plan", lambda self, plan: (plans.append(plan), real_on_plan(self, plan))[1])
     monkeypatch.chdir(tmp_path)
+    # the eager path's ordering: with the C kernel unavailable (the demo's target is one it covers)
+    from fnebm.kernels import cpu_chain
+
+    monkeypatch.setattr(cpu_chain, "_lib", None)
+    monkeypatch.setattr(cpu_chain, "_why", "made unavailable by the test")
     code, out, err = run(capsys, "demo", "--no-progress")  # compile="auto": a short run, eager
     assert (code, err) == (0, "") and "path         eager (auto:" in out
     for thread in threading.enumerate():

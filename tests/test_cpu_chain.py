@@ -326,3 +326,27 @@ def test_the_op_equals_the_twins_and_traces_whole():
         x64 = x.double()
         e64 = energies.double_well(2.0, 1.0, dtype=torch.float64)
         cpu_chain.langevin_chain(e64, x64, e64(x64), e64.grad(x64), keys, 0, 0.1, n_steps=2)
+
+
+@pytest.mark.parametrize("make", [fnebm.langevin, fnebm.mala])
+def test_a_gaussian_with_a_full_precision_equals_the_eager_steps(make):
+    d = 7
+    a = fr.normal(fr.key(10), (d, d))
+    target = energies.gaussian(torch.linspace(-1.0, 1.0, d), a @ a.T / d + 0.5 * torch.eye(d))
+    assert not target.is_diagonal and cpu_chain.covers(target) is None
+    alg = make(target, 0.05)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(11), (37, d)))
+    plans = []
+    chain, trace, info = fnebm.sample_chain(alg.step, state, fr.key(12), 20, progress=False, on_plan=plans.append)
+    chain_e, trace_e, info_e = fnebm.sample_chain(alg.step, state, fr.key(12), 20, backend="eager", progress=False)
+    assert plans[0].kernel
+    torch.testing.assert_close(trace, trace_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chain.state.energy, chain_e.state.energy, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chain.state.grad, chain_e.state.grad, rtol=1e-4, atol=1e-5)
+    for got, want in zip(info, info_e):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # the op takes it too
+    x = state.position
+    op = cpu_chain.langevin_chain(target, x, state.energy, state.grad, fr.split(fr.key(12), 37), 0, 0.05,
+                                  n_steps=3)
+    assert op.trace.shape == (3, 37, d) and torch.isfinite(op.trace).all()

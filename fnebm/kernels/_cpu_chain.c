@@ -32,7 +32,10 @@
 #define NORMAL_FLOOR 1.0e-7f
 #define TWO_PI 6.283185307179586f
 
-enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2 }; /* fnebm.kernels.langevin_chain's families (Rastrigin is not covered here) */
+/* the energy families: DOUBLE_WELL, HARMONIC and GAUSSIAN (diagonal) as fnebm.kernels.langevin_chain
+ * numbers them; GAUSSIAN_FULL, a Gaussian with a full Cholesky factor L of its precision, is this
+ * kernel's own (the Triton kernel's 3 is Rastrigin, which this one does not cover) */
+enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2, GAUSSIAN_FULL = 3 };
 
 /* one Philox4x32 round; the key words advance after it */
 #define PHILOX_ROUND(c0, c1, c2, c3, k0, k1)                           \
@@ -163,13 +166,13 @@ typedef struct {
 } args_t;
 
 /* every step of the chains c0 .. c0 + CB - 1 (those past n_chains run on zeros, never stored);
- * buf: 4 d CB floats of scratch. Inlined with a constant family, so each family's loops
+ * buf: 6 d CB floats of scratch. Inlined with a constant family, so each family's loops
  * vectorise on their own. */
 static inline __attribute__((always_inline)) void run_block(const args_t *a, int64_t c0, float *buf,
                                                             const int family, const int mala) {
     const int64_t d = a->d, m = (d + 3) / 4, n_chains = a->n_chains;
     float *restrict x = buf, *restrict g = buf + d * CB, *restrict z = buf + 2 * d * CB,
-                    *restrict nb = buf + 3 * d * CB;
+                    *restrict nb = buf + 3 * d * CB, *restrict dl = buf + 4 * d * CB, *restrict yv = buf + 5 * d * CB;
     float e[CB], h[CB], sc[CB];
     uint32_t k0[CB], k1[CB];
     int32_t take[CB], ok[CB];
@@ -253,6 +256,57 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
             bad[j] = 0;
             badp[j] = 0;
         }
+        if (family == GAUSSIAN_FULL) {
+            /* 0.5 |L^T (x - mean)|^2 and its gradient L (L^T (x - mean)), as fnebm.energies.Gaussian
+             * computes them: y = delta @ L, then grad = y @ L^T (vectors: mean (d), then L row-major) */
+            const float *mean = a->vectors, *L = a->vectors + d;
+            for (int64_t i = 0; i < d; i++) {
+#pragma omp simd
+                for (int j = 0; j < CB; j++) {
+                    float p = x[i * CB + j] - h[j] * g[i * CB + j] + sc[j] * z[i * CB + j];
+                    badp[j] |= !(fabsf(p) <= FLT_BIG);
+                    z[i * CB + j] = p;
+                    dl[i * CB + j] = p - mean[i];
+                }
+            }
+            for (int64_t c = 0; c < d; c++) {
+                float y[CB];
+                for (int j = 0; j < CB; j++)
+                    y[j] = 0.0f;
+                for (int64_t i = c; i < d; i++) { /* L is lower triangular: L[i][c] = 0 for i < c */
+                    const float l = L[i * d + c];
+#pragma omp simd
+                    for (int j = 0; j < CB; j++)
+                        y[j] += dl[i * CB + j] * l;
+                }
+#pragma omp simd
+                for (int j = 0; j < CB; j++) {
+                    yv[c * CB + j] = y[j];
+                    acc[j] += y[j] * y[j];
+                }
+            }
+            for (int64_t i = 0; i < d; i++) {
+                float n[CB];
+                for (int j = 0; j < CB; j++)
+                    n[j] = 0.0f;
+                for (int64_t c = 0; c <= i; c++) {
+                    const float l = L[i * d + c];
+#pragma omp simd
+                    for (int j = 0; j < CB; j++)
+                        n[j] += yv[c * CB + j] * l;
+                }
+#pragma omp simd
+                for (int j = 0; j < CB; j++) {
+                    bad[j] |= !(fabsf(n[j]) <= FLT_BIG);
+                    if (mala) {
+                        float fw = z[i * CB + j] - x[i * CB + j] + h[j] * g[i * CB + j];
+                        float bw = x[i * CB + j] - z[i * CB + j] + h[j] * n[j];
+                        quad[j] += fw * fw - bw * bw;
+                    }
+                    nb[i * CB + j] = n[j];
+                }
+            }
+        } else
         for (int64_t i = 0; i < d; i++) {
             float va = pa, vb = pb, vc = pb;
             if (family == GAUSSIAN) {
@@ -358,7 +412,7 @@ int ENTRY(const args_t *a, int family, int n_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
-        float *buf = (float *)aligned_alloc(64, sizeof(float) * 4 * (size_t)(a->d * CB));
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * 6 * (size_t)(a->d * CB));
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -372,8 +426,10 @@ int ENTRY(const args_t *a, int family, int n_threads) {
                 run_block(a, c0, buf, DOUBLE_WELL, FNEBM_MALA);
             else if (family == HARMONIC)
                 run_block(a, c0, buf, HARMONIC, FNEBM_MALA);
-            else
+            else if (family == GAUSSIAN)
                 run_block(a, c0, buf, GAUSSIAN, FNEBM_MALA);
+            else
+                run_block(a, c0, buf, GAUSSIAN_FULL, FNEBM_MALA);
         }
         free(buf);
     }

@@ -52,6 +52,7 @@ FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC") + (
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
 # The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
 _FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2}
+_GAUSSIAN_FULL = 3  # a Gaussian with a full Cholesky factor (the C kernel's own number)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -184,14 +185,15 @@ def covers(energy_fn) -> str | None:
     family = _FAMILIES.get(type(energy_fn))
     if family is None:
         return (f"the energy {type(energy_fn).__name__} is not one the C kernel computes in closed form "
-                "(DoubleWell, Harmonic, a diagonal Gaussian)")
-    if family == 2 and not energy_fn.is_diagonal:
-        return "the Gaussian has a full precision matrix (not separable; the kernel covers diagonal ones)"
+                "(DoubleWell, Harmonic, Gaussian)")
     return None
 
 
 def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
     family = _FAMILIES[type(energy_fn)]
+    if family == 2 and not energy_fn.is_diagonal:  # mean, then L row-major
+        vectors = torch.cat([energy_fn.mean.reshape(d), energy_fn.precision_tril.reshape(d * d)])
+        return _GAUSSIAN_FULL, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
     if family == 2:
         vectors = torch.stack([energy_fn.mean, energy_fn.precision, energy_fn.precision_tril]).reshape(3, d)
         return family, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
@@ -324,7 +326,7 @@ def _run_op(energy_fn, position, energy, grad, keys, start, step_size, noise_sca
         raise TypeError(f"position must be a CPU tensor for the C kernel (the Triton kernels run on CUDA), got "
                         f"{getattr(position, 'device', type(position).__name__)}")
     _, start, h, s = _check(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps,
-                               burn_in, thin, dtypes=(torch.float32,))
+                            burn_in, thin, dtypes=(torch.float32,), covers_fn=covers, max_dim=None)
     family, scalars, vectors = _params(energy_fn, position.shape[-1])
     h = h if h.ndim == 0 else h.contiguous()
     s = s if s.ndim == 0 else s.contiguous()

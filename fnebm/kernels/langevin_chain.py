@@ -155,9 +155,11 @@ def _tunable(name: str, value, like: Tensor, chains: tuple[int, ...]) -> Tensor:
     return value.reshape(value.shape + (1,) * (len(chains) - value.ndim)).expand(chains)
 
 
-def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, dtypes):
-    """Metadata checks (free under compile); returns ``(chains, start, step_size, noise_scale)``."""
-    reason = covers(energy_fn)
+def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, dtypes,
+           covers_fn=None, max_dim=MAX_DIM):
+    """Metadata checks (free under compile); returns ``(chains, start, step_size, noise_scale)``.
+    ``covers_fn`` and ``max_dim``: which energies and sizes the kernel takes (default: this one's)."""
+    reason = (covers if covers_fn is None else covers_fn)(energy_fn)
     if reason is not None:
         raise TypeError(f"energy_fn: {reason}")
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point or x.ndim < 1:
@@ -172,8 +174,8 @@ def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_st
     if tuple(x.shape) != chains + (d,) or keys.device != x.device:
         raise ValueError(f"keys must be (*chains, 2) for a position (*chains, d) on its device, got keys "
                          f"{tuple(keys.shape)} on {keys.device} and position {tuple(x.shape)} on {x.device}")
-    if dtypes is not None and d > MAX_DIM:
-        raise ValueError(f"position has {d} elements per chain, more than the kernel's MAX_DIM={MAX_DIM}")
+    if dtypes is not None and max_dim is not None and d > max_dim:
+        raise ValueError(f"position has {d} elements per chain, more than the kernel's MAX_DIM={max_dim}")
     energy_fn.check_dim(d)
     if energy_fn.dtype != x.dtype or energy_fn.device != x.device:
         raise TypeError(f"energy_fn's parameters ({energy_fn.dtype} on {energy_fn.device}) must have the "
