@@ -249,9 +249,9 @@ def build_args(argv):
 
 def test_auto_runs_a_short_run_eagerly_and_says_so(tmp_path, capsys):
     # auto (the default): 8 chains x 3 steps cost far less eagerly than a compile (~0.5 s);
-    # Rastrigin, which no hand-written CPU kernel covers
+    # Rosenbrock, which no hand-written CPU kernel covers
     argv = [a for a in EAGER if a != "--no-compile"]
-    code, out, err = run(capsys, "sample", "--energy", "rastrigin", *argv, "--out", tmp_path / "x.pt")
+    code, out, err = run(capsys, "sample", "--energy", "rosenbrock", *argv, "--out", tmp_path / "x.pt")
     assert (code, err) == (0, "")
     summary = torch.load(tmp_path / "x.pt")["summary"]
     assert summary["compiled"] is False and summary["compile_s"] is None

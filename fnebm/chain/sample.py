@@ -254,7 +254,7 @@ def sample_chain(
             double well, harmonic, diagonal Gaussian or Rastrigin energy; on the CPU, unless
             ``compile=False``, the C kernel (:mod:`fnebm.kernels.cpu_chain`, built with the
             system C compiler on first use) for ``fnebm.langevin``/``fnebm.mala`` steps on a
-            double well, harmonic or Gaussian energy; each for float32 chains, the default
+            double well, harmonic, Rastrigin or Gaussian energy; each for float32 chains, the default
             ``collect`` and no gradient through the chain. Otherwise it runs as ``compile``
             says. ``"triton"`` and ``"c"`` require their kernel and raise ``ValueError`` saying
             why it does not apply; ``"compiled"`` and ``"eager"`` never use one and mean

@@ -211,7 +211,7 @@ def default_steps(energy: str, dim: int, sampler: str = "mala") -> int:
 
 # the position and the energy of each kept step: fnebm.chain.position_and_energy, which the CPU's
 # whole-chain kernel writes itself (so `fnebm sample` with Langevin or MALA on a double well,
-# harmonic or gaussian runs in it)
+# harmonic, rastrigin or gaussian runs in it)
 _collect = position_and_energy
 
 

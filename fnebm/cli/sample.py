@@ -76,7 +76,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--compile", dest="compile", action="store_const", const=True, default="auto",
                      help="always compile the steps with torch.compile (default: a hand-written whole-chain "
-                          "kernel where one covers the run, e.g. Langevin or MALA on double_well, harmonic or "
+                          "kernel where one covers the run, e.g. Langevin or MALA on double_well, harmonic, rastrigin or "
                           "gaussian on the CPU; otherwise compile only when running the steps eagerly "
                           "would take longer than a compile)")
     how.add_argument("--no-compile", dest="compile", action="store_const", const=False,

@@ -11,7 +11,7 @@ torch ops (``torch.ops.fnebm.*``) so they sit inside ``torch.compile`` graphs.
   for a batch in one pass (``tl.dot``).
 * :mod:`fnebm.kernels.cpu_chain` — the CPU counterpart of ``langevin_chain``: whole Langevin or
   MALA chains in C (``_cpu_chain.c``, OpenMP, vectorised over blocks of 16 chains) for the
-  double well, harmonic and Gaussian energies, built with the system C compiler on
+  double well, harmonic, Rastrigin and Gaussian energies, built with the system C compiler on
   first use and called through ctypes; the op ``torch.ops.fnebm.cpu_chain``
   (``cpu_chain.langevin_chain`` / ``cpu_chain.mala_chain``) puts it in compiled graphs.
 

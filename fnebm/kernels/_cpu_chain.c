@@ -32,10 +32,9 @@
 #define NORMAL_FLOOR 1.0e-7f
 #define TWO_PI 6.283185307179586f
 
-/* the energy families: DOUBLE_WELL, HARMONIC and GAUSSIAN (diagonal) as fnebm.kernels.langevin_chain
- * numbers them; GAUSSIAN_FULL, a Gaussian with a full Cholesky factor L of its precision, is this
- * kernel's own (the Triton kernel's 3 is Rastrigin, which this one does not cover) */
-enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2, GAUSSIAN_FULL = 3 };
+/* the energy families, numbered as fnebm.kernels.langevin_chain numbers them; GAUSSIAN_FULL, a
+ * Gaussian with a full Cholesky factor L of its precision, is this kernel's own */
+enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2, RASTRIGIN = 3, GAUSSIAN_FULL = 4 };
 
 /* one Philox4x32 round; the key words advance after it */
 #define PHILOX_ROUND(c0, c1, c2, c3, k0, k1)                           \
@@ -326,10 +325,16 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                 } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
                     q = p * p;
                     n = va * p;
-                } else { /* diagonal Gaussian: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
+                } else if (family == GAUSSIAN) { /* diagonal: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
                     float delta = p - va, y = delta * vc;
                     q = y * y;
                     n = delta * vb;
+                } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
+                    float u = p - floorf(p); /* cos and sin have period 1 in x: reduce first, exactly for x >= 0 */
+                    float sv, cv;
+                    VSINCOSF(TWO_PI * u, sv, cv);
+                    q = p * p - va * cv;
+                    n = 2.0f * p + TWO_PI * va * sv;
                 }
                 acc[j] += q;
                 bad[j] |= !(fabsf(n) <= FLT_BIG);
@@ -345,7 +350,10 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
         }
 #pragma omp simd
         for (int j = 0; j < CB; j++) {
-            float v = family == DOUBLE_WELL ? pa * acc[j] : family == HARMONIC ? 0.5f * pa * acc[j] : 0.5f * acc[j];
+            float v = family == DOUBLE_WELL ? pa * acc[j]
+                    : family == HARMONIC    ? 0.5f * pa * acc[j]
+                    : family == RASTRIGIN   ? pa * (float)d + acc[j]
+                                            : 0.5f * acc[j];
             int32_t finite = !bad[j] & (fabsf(v) <= FLT_BIG);
             if (mala) { /* metropolis_hastings: a non-finite energy, gradient or log alpha is rejected */
                 float la = e[j] - v + quad[j] / (4.0f * h[j]);
@@ -428,6 +436,8 @@ int ENTRY(const args_t *a, int family, int n_threads) {
                 run_block(a, c0, buf, HARMONIC, FNEBM_MALA);
             else if (family == GAUSSIAN)
                 run_block(a, c0, buf, GAUSSIAN, FNEBM_MALA);
+            else if (family == RASTRIGIN)
+                run_block(a, c0, buf, RASTRIGIN, FNEBM_MALA);
             else
                 run_block(a, c0, buf, GAUSSIAN_FULL, FNEBM_MALA);
         }

@@ -1,7 +1,7 @@
 """Whole chains of unadjusted Langevin or MALA on the CPU, in C: the CPU counterpart of the Triton kernel.
 
-For a separable analytic energy — :class:`~fnebm.energies.DoubleWell`,
-:class:`~fnebm.energies.Harmonic`, a diagonal :class:`~fnebm.energies.Gaussian` — the C kernel
+For an analytic energy — :class:`~fnebm.energies.DoubleWell`, :class:`~fnebm.energies.Harmonic`,
+:class:`~fnebm.energies.Rastrigin`, a :class:`~fnebm.energies.Gaussian` (diagonal or full) — the C kernel
 (``_cpu_chain.c`` beside this file) runs every step of a block of 16 chains with their
 positions and gradients in vector registers: the step's key ``fold_in(keys[c], t)``, the noise
 ``normal(key, (d,))`` of the :mod:`fnebm.random` stream (Philox4x32-10 and Box–Muller, as
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic
+from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
 
 __all__ = ["available", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
@@ -51,8 +51,8 @@ _SOURCE = Path(__file__).with_name("_cpu_chain.c")
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC") + (
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
 # The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
-_FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2}
-_GAUSSIAN_FULL = 3  # a Gaussian with a full Cholesky factor (the C kernel's own number)
+_FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2, Rastrigin: 3}
+_GAUSSIAN_FULL = 4  # a Gaussian with a full Cholesky factor (the C kernel's own number)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -185,7 +185,7 @@ def covers(energy_fn) -> str | None:
     family = _FAMILIES.get(type(energy_fn))
     if family is None:
         return (f"the energy {type(energy_fn).__name__} is not one the C kernel computes in closed form "
-                "(DoubleWell, Harmonic, Gaussian)")
+                "(DoubleWell, Harmonic, Gaussian, Rastrigin)")
     return None
 
 
@@ -197,7 +197,11 @@ def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
     if family == 2:
         vectors = torch.stack([energy_fn.mean, energy_fn.precision, energy_fn.precision_tril]).reshape(3, d)
         return family, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
-    p = torch.stack([energy_fn.barrier_height, energy_fn.b]) if family == 0 else torch.stack([energy_fn.k, energy_fn.k])
+    if family == 0:
+        p = torch.stack([energy_fn.barrier_height, energy_fn.b])
+    else:
+        p = energy_fn.k if family == 1 else energy_fn.a
+        p = torch.stack([p, p])
     p = p.to(torch.float32).contiguous()
     return family, p, p
 
