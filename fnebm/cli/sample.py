@@ -497,6 +497,9 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         profile = fnebm.profile_sampling(alg, state, run_key, cfg.steps, burn_in=cfg.burn_in, thin=cfg.thin,
                                          collect=_collect, compile=cfg.compile is not False)
         summary["profile"] = str(profile)
+        if compiled is None and "kernel" in why:  # the run took a hand-written kernel: say what was timed
+            summary["profile"] = (f"(this run used {why.split(',')[0]}; the profile times the same steps in the "
+                                  "compiled runner, whose parts can be timed apart)\n" + summary["profile"])
     return summary, positions, energies, target
 
 

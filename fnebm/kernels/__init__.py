@@ -20,9 +20,9 @@ The twins import without triton; the kernels and ops need it (``HAS_TRITON``).
 kernels; see docs/kernels.md for the rules.
 """
 
-import importlib
-import sys
-import types
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
 # Names load on first use (PEP 562): importing triton and registering the Triton ops takes about
 # 1.5 s, which a CPU run of the C kernel (fnebm.kernels.cpu_chain) should not pay.
@@ -45,13 +45,13 @@ def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'fnebm.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fnebm.kernels.{module}"), name)
+    value = getattr(_importlib.import_module(f"fnebm.kernels.{module}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted({n for n in globals() if not n.startswith("_")} | set(_WHERE))
 
 
 # Two submodules share their names with functions they define (langevin_chain, langevin_update).
@@ -60,14 +60,14 @@ def __dir__():
 _SHADOWED = {"langevin_chain", "langevin_update"}
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     def __setattr__(self, name, value):
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
+        if name in _SHADOWED and isinstance(value, _types.ModuleType):
             return
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -272,7 +272,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                 float y[CB];
                 for (int j = 0; j < CB; j++)
                     y[j] = 0.0f;
-                for (int64_t i = c; i < d; i++) { /* L is lower triangular: L[i][c] = 0 for i < c */
+                for (int64_t i = 0; i < d; i++) { /* all of L: after training it need not be triangular */
                     const float l = L[i * d + c];
 #pragma omp simd
                     for (int j = 0; j < CB; j++)
@@ -288,7 +288,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                 float n[CB];
                 for (int j = 0; j < CB; j++)
                     n[j] = 0.0f;
-                for (int64_t c = 0; c <= i; c++) {
+                for (int64_t c = 0; c < d; c++) {
                     const float l = L[i * d + c];
 #pragma omp simd
                     for (int j = 0; j < CB; j++)
@@ -331,6 +331,8 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                     n = delta * vb;
                 } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
                     float u = p - floorf(p); /* cos and sin have period 1 in x: reduce first, exactly for x >= 0 */
+                    uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f); /* p not finite: 0, not a NaN cast to int */
+                    u = as_f32(as_u32(u) & ~nan);
                     float sv, cv;
                     VSINCOSF(TWO_PI * u, sv, cv);
                     q = p * p - va * cv;

@@ -26,10 +26,12 @@ compiled runner as before. Called through ``ctypes``, which releases the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -69,9 +71,11 @@ class _Args(ctypes.Structure):
     )
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """The compiler command, as ``$CC`` gives it (``"ccache gcc"`` and ``"gcc -m64"`` included), or ``None``."""
+    words = shlex.split(os.environ.get("CC") or "cc")
+    found = shutil.which(words[0]) if words else None
+    return [found, *words[1:]] if found else None
 
 
 def _cpu_id() -> str:
@@ -112,14 +116,14 @@ def _usable(folder: Path) -> bool:
     return True
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str]) -> Path:
     """The shared library, compiled now unless a matching one is cached; raises ``RuntimeError``."""
     source = _SOURCE.read_bytes()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
-    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    digest = hashlib.sha256(b"\0".join([source, " ".join(cc[1:] + list(FLAGS)).encode(), version.encode(),
                                         _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:20]
     folders = _cache_dirs()
     for folder in folders:
@@ -130,27 +134,48 @@ def _build(cc: str) -> Path:
         raise RuntimeError(f"cannot write the build cache ({', '.join(map(str, folders))}: missing, not writable, or "
                            "writable by others); set FNEBM_CACHE_DIR to a folder of your own")
     target = usable[0] / f"cpu_chain-{digest}.so"
+    with _build_lock(target):  # one process builds; the others wait, then load its library
+        if not target.exists():
+            _compile(cc, target)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: builds may overlap, each ending in an atomic rename
+        yield
+        return
+    with open(target.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(cc: list[str], target: Path) -> None:
     # compile beside the target and rename: another process never loads a half-written library.
     # Langevin and MALA are two objects compiled at once (on two cores, 0.8 s instead of 1.4 s).
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         objects = [os.path.join(work, f"chain{mala}.o") for mala in (0, 1)]
-        jobs = [subprocess.Popen([cc, *FLAGS, f"-DFNEBM_MALA={mala}", "-c", str(_SOURCE), "-o", obj],
+        jobs = [subprocess.Popen([*cc, *FLAGS, f"-DFNEBM_MALA={mala}", "-c", str(_SOURCE), "-o", obj],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for mala, obj in zip((0, 1), objects)]
         errors = [job.communicate(timeout=300)[1] for job in jobs]
         for job, err in zip(jobs, errors):
             if job.returncode != 0:
                 first = (err.strip().splitlines() or ["no message"])[0]
-                raise RuntimeError(f"{cc} failed to build the C kernel: {first}")
+                raise RuntimeError(f"{' '.join(cc)} failed to build the C kernel: {first}")
         tmp = os.path.join(work, "cpu_chain.so")
-        done = subprocess.run([cc, "-shared", "-fopenmp", *objects, "-o", tmp, "-lm"], capture_output=True,
+        done = subprocess.run([*cc, "-shared", "-fopenmp", *objects, "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise RuntimeError(f"{cc} failed to link the C kernel: {first}")
+            raise RuntimeError(f"{' '.join(cc)} failed to link the C kernel: {first}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
-    return target
 
 
 def _load() -> ctypes.CDLL | None:
@@ -226,6 +251,8 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
         raise RuntimeError(f"the C kernel is unavailable: {_why}")
     d = position.shape[-1]
     n = keys.numel() // 2
+    if keys.dtype != torch.int64 or keys.device.type != "cpu":
+        raise TypeError(f"keys must be an int64 CPU tensor for the C kernel, got {keys.dtype} on {keys.device}")
     if tuple(keys.shape[:-1]) != tuple(position.shape[:-1]) or keys.shape[-1:] != (2,):
         raise ValueError(f"keys must be (*chains, 2) for a position (*chains, d), got {tuple(keys.shape)} and "
                          f"{tuple(position.shape)}")
