@@ -89,17 +89,27 @@ def _cpu_module():
     return importlib.import_module("fnebm.kernels.cpu_chain")
 
 
-def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
-    """``None`` when the C kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
+def _sampler_and_state(step: Any, chain: Any) -> str | tuple[str, Any, Any, Any]:
+    """``(kind, energy, step_size, noise_scale)`` when ``step`` is fnebm's Langevin or MALA step on
+    its own state (what both kernels run), else the reason it is not."""
     found = _sampler(step)
     if found is None:
-        return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the C kernel runs those two "
+        return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the kernels run those two "
                 "samplers on the state they step)")
-    kind, energy, step_size, noise_scale = found
-    state = chain.state
+    kind = found[0]
     state_type = _langevin.LangevinState if kind == "langevin" else _mala.MALAState
-    if type(state) is not state_type:
-        return f"the state is a {type(state).__name__}, not the {state_type.__name__} that {kind} steps"
+    if type(chain.state) is not state_type:
+        return f"the state is a {type(chain.state).__name__}, not the {state_type.__name__} that {kind} steps"
+    return found
+
+
+def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
+    """``None`` when the C kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
+    found = _sampler_and_state(step, chain)
+    if isinstance(found, str):
+        return found
+    _, energy, step_size, noise_scale = found
+    state = chain.state
     if collect is not position and collect is not position_and_energy:
         return ("collect is neither the default (the position) nor fnebm.chain.position_and_energy: the kernel "
                 "writes those only")
@@ -152,15 +162,11 @@ def _common(x: Tensor, energy: Any, state: Any, chain: Any, step_size: Any, nois
 
 def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
     """``None`` when the Triton kernel can run this chain (a ``ChainState``), else the first reason it cannot."""
-    found = _sampler(step)
-    if found is None:
-        return ("step is not fnebm.langevin(...).step or fnebm.mala(...).step (the kernels run those two "
-                "samplers on the state they step)")
-    kind, energy, step_size, noise_scale = found
+    found = _sampler_and_state(step, chain)
+    if isinstance(found, str):
+        return found
+    _, energy, step_size, noise_scale = found
     state = chain.state
-    state_type = _langevin.LangevinState if kind == "langevin" else _mala.MALAState
-    if type(state) is not state_type:
-        return f"the state is a {type(state).__name__}, not the {state_type.__name__} that {kind} steps"
     if collect is not position:
         return "collect is not the default (the position): the kernels write positions only"
     x = state.position

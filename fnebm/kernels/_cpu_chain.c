@@ -152,6 +152,26 @@ static inline float vexpf(float x) {
         (c_out) = as_f32(_cv);                                                                              \
     } while (0)
 
+/* out[r] = sum_k in[k] L[k * k_stride + r * r_stride] for a block of CB chains (rows of CB floats);
+ * all of L: after training a Gaussian's factor need not be triangular */
+static inline __attribute__((always_inline)) void block_matvec(float *restrict out, const float *restrict in,
+                                                               const float *restrict L, int64_t d,
+                                                               int64_t k_stride, int64_t r_stride) {
+    for (int64_t r = 0; r < d; r++) {
+        float acc[CB];
+        for (int j = 0; j < CB; j++)
+            acc[j] = 0.0f;
+        for (int64_t k = 0; k < d; k++) {
+            const float l = L[k * k_stride + r * r_stride];
+#pragma omp simd
+            for (int j = 0; j < CB; j++)
+                acc[j] += in[k * CB + j] * l;
+        }
+        for (int j = 0; j < CB; j++)
+            out[r * CB + j] = acc[j];
+    }
+}
+
 typedef struct {
     int64_t n_chains, d, key_stride_c, key_stride_w, start, h_stride, s_stride;
     const float *x_in, *e_in, *g_in, *h_ptr, *s_ptr, *scalars, *vectors;
@@ -268,41 +288,23 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                     dl[i * CB + j] = p - mean[i];
                 }
             }
+            block_matvec(yv, dl, L, d, d, 1); /* y_c = sum_i delta_i L[i][c] */
             for (int64_t c = 0; c < d; c++) {
-                float y[CB];
+#pragma omp simd
                 for (int j = 0; j < CB; j++)
-                    y[j] = 0.0f;
-                for (int64_t i = 0; i < d; i++) { /* all of L: after training it need not be triangular */
-                    const float l = L[i * d + c];
-#pragma omp simd
-                    for (int j = 0; j < CB; j++)
-                        y[j] += dl[i * CB + j] * l;
-                }
-#pragma omp simd
-                for (int j = 0; j < CB; j++) {
-                    yv[c * CB + j] = y[j];
-                    acc[j] += y[j] * y[j];
-                }
+                    acc[j] += yv[c * CB + j] * yv[c * CB + j];
             }
+            block_matvec(nb, yv, L, d, 1, d); /* grad_i = sum_c y_c L[i][c] */
             for (int64_t i = 0; i < d; i++) {
-                float n[CB];
-                for (int j = 0; j < CB; j++)
-                    n[j] = 0.0f;
-                for (int64_t c = 0; c < d; c++) {
-                    const float l = L[i * d + c];
-#pragma omp simd
-                    for (int j = 0; j < CB; j++)
-                        n[j] += yv[c * CB + j] * l;
-                }
 #pragma omp simd
                 for (int j = 0; j < CB; j++) {
-                    bad[j] |= !(fabsf(n[j]) <= FLT_BIG);
+                    float n = nb[i * CB + j];
+                    bad[j] |= !(fabsf(n) <= FLT_BIG);
                     if (mala) {
                         float fw = z[i * CB + j] - x[i * CB + j] + h[j] * g[i * CB + j];
-                        float bw = x[i * CB + j] - z[i * CB + j] + h[j] * n[j];
+                        float bw = x[i * CB + j] - z[i * CB + j] + h[j] * n;
                         quad[j] += fw * fw - bw * bw;
                     }
-                    nb[i * CB + j] = n[j];
                 }
             }
         } else
