@@ -17,7 +17,7 @@ Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or
 the normals differ in the last bits and a chain's positions drift apart by rounding over many
 steps, as the compiled and eager paths do.
 
-**Built on first use** with the system C compiler (``$CC``, else ``cc``; about 0.8 s on two cores) for this
+**Built on first use** with the system C compiler (``$CC``, else ``cc``; about 1.5 s on two cores) for this
 machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
 that hashes the source, the flags, the compiler and the CPU; later processes load it from
 there. Where no compiler works, :func:`available` says why and ``sample_chain`` runs the
@@ -157,7 +157,7 @@ def _build_lock(target: Path):
 
 def _compile(cc: list[str], target: Path) -> None:
     # compile beside the target and rename: another process never loads a half-written library.
-    # Langevin and MALA are two objects compiled at once (on two cores, 0.8 s instead of 1.4 s).
+    # Langevin and MALA are two objects compiled at once (on two cores, 1.5 s in all against 2.6 s for the two compiles one after the other).
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         objects = [os.path.join(work, f"chain{mala}.o") for mala in (0, 1)]
         jobs = [subprocess.Popen([*cc, *FLAGS, f"-DFNEBM_MALA={mala}", "-c", str(_SOURCE), "-o", obj],
