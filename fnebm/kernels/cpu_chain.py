@@ -157,7 +157,8 @@ def _build_lock(target: Path):
 
 def _compile(cc: list[str], target: Path) -> None:
     # compile beside the target and rename: another process never loads a half-written library.
-    # Langevin and MALA are two objects compiled at once (on two cores, 1.5 s in all against 2.6 s for the two compiles one after the other).
+    # Langevin and MALA are two objects compiled at once: on two cores 1.5 s in all, against 2.6 s for
+    # the two compiles one after the other.
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         objects = [os.path.join(work, f"chain{mala}.o") for mala in (0, 1)]
         jobs = [subprocess.Popen([*cc, *FLAGS, f"-DFNEBM_MALA={mala}", "-c", str(_SOURCE), "-o", obj],
