@@ -27,7 +27,7 @@ SUMMARY_KEYS = {
     "seed", "acceptance", "n_divergent", "divergent_fraction", "ess_bulk_min", "ess_bulk_median", "ess_per_s",
     "rhat_max", "compile_s", "sampling_s", "mean_tree_depth", "mean_integration_steps", "adapt", "adapt_s", "adapted",
     "compiled", "path", "ramp", "n_runaway", "runaway_chains", "n_runaway_stuck", "runaway_max_abs", "n_frozen",
-    "frozen_chains", "rhat_max_unflagged", "mixing", "truth", "setup_s",
+    "frozen_chains", "rhat_max_unflagged", "mixing", "truth", "setup_s", "kernel_build_s",
 }
 # The one configuration that is compiled in this file.
 COMPILED = [
@@ -274,6 +274,25 @@ def test_auto_runs_a_covered_run_in_the_c_kernel_and_says_so(tmp_path, capsys):
     target = cli.ENERGIES["harmonic"].build(record["trace"].shape[-1], torch.float32, "cpu")
     torch.testing.assert_close(record["energy"], torch.func.vmap(torch.func.vmap(target))(record["trace"]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkeypatch, capsys):
+    from fnebm.kernels import cpu_chain
+
+    if cpu_chain.available() is not None:
+        pytest.skip(f"the C kernel is unavailable here: {cpu_chain.available()}")
+    # a machine that never built it: an empty cache folder, nothing loaded in this process
+    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
+    for name, value in (("_lib", None), ("_why", None), ("_build_s", 0.0)):
+        monkeypatch.setattr(cpu_chain, name, value)
+    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    argv = [a for a in EAGER if a != "--no-compile"]
+    code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv, "--out", tmp_path / "x.pt")
+    assert code == 0 and err.startswith("fnebm: building the whole-chain C kernel") and err.count("\n") == 1
+    assert "of it building the C kernel" in out
+    assert torch.load(tmp_path / "x.pt")["summary"]["kernel_build_s"] > 0
+    code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv)  # built: nothing to announce
+    assert (code, err) == (0, "") and "building" not in out
 
 
 def test_defaults_scale_with_dim_and_sampler():

@@ -396,6 +396,34 @@ class _Calls:
         return plan.compiled, why
 
 
+def _kernel_build_notice(cfg: Config, target: Any) -> None:
+    """On a terminal, one line before the C kernel is compiled for this run (its first use on this
+    machine, about 1.5 s), as before a torch.compile."""
+    if not _tty() or cfg.compile != "auto" or cfg.sampler not in ("langevin", "mala") or cfg.rank != 0:
+        return
+    if torch.device(cfg.device).type != "cpu" or cfg.dtype != "float32":
+        return
+    from fnebm.kernels import cpu_chain
+
+    if cpu_chain.covers(target) is None and not cpu_chain.built():
+        print("fnebm: building the whole-chain C kernel with the system C compiler: about 1.5 s, once on this "
+              "machine (cached on disk)", file=sys.stderr, flush=True)
+
+
+def _kernel_build_s() -> float:
+    """Seconds this process spent compiling the C kernel (0.0 if it never loaded it)."""
+    module = sys.modules.get("fnebm.kernels.cpu_chain")
+    return module.build_seconds() if module is not None else 0.0
+
+
+def _setup_words(s: dict[str, Any]) -> str:
+    built = s.get("kernel_build_s")
+    if built:
+        return (f" (+{s['setup_s']:.2f} s setting up, {built:.2f} s of it building the C kernel: once on this "
+                "machine, cached on disk)")
+    return f" (+{s['setup_s']:.2f} s setting up: checks, the first eager step, tracing)"
+
+
 def _backend(cfg: Config) -> str:
     """``sample_chain``'s backend: ``--compile`` asks for torch.compile, so it never takes a
     hand-written kernel; otherwise one runs where it covers the run (docs/kernels.md)."""
@@ -462,6 +490,8 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     calls = _Calls(cfg, cfg.burn_in + cfg.steps)
     plotting = _PlottingImport(cfg)
     chain, key = state, fdist.local_keys(run_key, cfg.chains) if sharded else run_key
+    _kernel_build_notice(cfg, target)
+    built_before = _kernel_build_s()
     t0 = time.perf_counter()
     try:
         for fraction, n in ramp:  # each is one short call: the graph is shared (parameters are data)
@@ -488,6 +518,7 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     if sharded:  # the run took as long as its slowest rank
         compile_s, sampling_s, wall, adapt_s = _slowest(compile_s, sampling_s, wall, adapt_s)
     summary = _summary(cfg, target, positions, energies, info, compile_s, sampling_s)
+    summary.update(kernel_build_s=(_kernel_build_s() - built_before) or None)
     summary.update(adapt=cfg.adapt, adapt_s=adapt_s, adapted=adapted, compiled=compiled, path=why,
                    ramp=[[f, n] for f, n in ramp], setup_s=max(0.0, wall - sampling_s - (compile_s or 0.0)))
     if sharded:
@@ -758,8 +789,7 @@ def format_summary(s: dict[str, Any]) -> list[str]:
         ("path", path),
         ("compile", "none" if s["compile_s"] is None else f"{s['compile_s']:.2f} s (torch.compile; cached on disk "
                                                           "for the next run)"),
-        ("sampling", f"{s['sampling_s']:.2f} s" + (f" (+{s['setup_s']:.2f} s setting up: checks, the first eager "
-                                                     "step, tracing)" if s.get("setup_s") else "")),
+        ("sampling", f"{s['sampling_s']:.2f} s" + (_setup_words(s) if s.get("setup_s") else "")),
     ]
     lines = [f"{k:<12} {v}" for k, v in rows]
     truth = s.get("truth")

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
 
-__all__ = ["available", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
+__all__ = ["available", "built", "build_seconds", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_chain.c")
 # -O2: as fast as -O3 here (the loops that matter are `omp simd`, vectorised either way; W1 27.6 vs
@@ -59,6 +60,7 @@ _GAUSSIAN_FULL = 4  # a Gaussian with a full Cholesky factor (the C kernel's own
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # why the library is unavailable, once a build failed
+_build_s = 0.0  # seconds this process spent compiling the library (0 when it was found on disk)
 
 
 class _Args(ctypes.Structure):
@@ -116,8 +118,8 @@ def _usable(folder: Path) -> bool:
     return True
 
 
-def _build(cc: list[str]) -> Path:
-    """The shared library, compiled now unless a matching one is cached; raises ``RuntimeError``."""
+def _name(cc: list[str]) -> str:
+    """The library's file name: a hash of the source, the flags, the compiler, the CPU and torch."""
     source = _SOURCE.read_bytes()
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -125,18 +127,54 @@ def _build(cc: list[str]) -> Path:
         raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
     digest = hashlib.sha256(b"\0".join([source, " ".join(cc[1:] + list(FLAGS)).encode(), version.encode(),
                                         _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:20]
+    return f"cpu_chain-{digest}.so"
+
+
+def _cached(name: str) -> Path | None:
+    for folder in _cache_dirs():
+        if (folder / name).exists() and _usable(folder):
+            return folder / name
+    return None
+
+
+def built() -> bool:
+    """Whether the kernel is ready without compiling: loaded, failed for good, or found on disk.
+    ``False`` means that the first run it serves compiles it first (about 1.5 s): the command line
+    says so before that wait."""
+    if _lib is not None or _why is not None:
+        return True
+    cc = _compiler()
+    if cc is None:
+        return True  # nothing will be compiled
+    try:
+        return _cached(_name(cc)) is not None
+    except RuntimeError:
+        return True
+
+
+def build_seconds() -> float:
+    """Seconds this process spent compiling the kernel (0.0 when it was loaded from disk or not used)."""
+    return _build_s
+
+
+def _build(cc: list[str]) -> Path:
+    """The shared library, compiled now unless a matching one is cached; raises ``RuntimeError``."""
+    name = _name(cc)
+    found = _cached(name)
+    if found is not None:
+        return found
     folders = _cache_dirs()
-    for folder in folders:
-        if (folder / f"cpu_chain-{digest}.so").exists() and _usable(folder):
-            return folder / f"cpu_chain-{digest}.so"
     usable = [f for f in folders if _usable(f)]
     if not usable:
         raise RuntimeError(f"cannot write the build cache ({', '.join(map(str, folders))}: missing, not writable, or "
                            "writable by others); set FNEBM_CACHE_DIR to a folder of your own")
-    target = usable[0] / f"cpu_chain-{digest}.so"
+    target = usable[0] / name
+    global _build_s
+    t0 = time.perf_counter()
     with _build_lock(target):  # one process builds; the others wait, then load its library
         if not target.exists():
             _compile(cc, target)
+    _build_s += time.perf_counter() - t0
     return target
 
 
