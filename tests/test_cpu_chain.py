@@ -372,3 +372,39 @@ def test_a_gaussian_whose_factor_is_not_triangular_is_computed_whole():
         torch.testing.assert_close(trace, trace_e, rtol=1e-4, atol=1e-5)
         for got, want in zip(info, info_e):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_energy_for_another_dimension_is_refused_not_misread():
+    # the state holds 5-D chains, the step a 3-D Gaussian: the kernel would read the Gaussian's
+    # parameters at the wrong size, so it says why and "auto" leaves the run to the eager steps
+    g3 = energies.gaussian(torch.zeros(3), torch.eye(3) + 0.5)
+    g5 = energies.gaussian(torch.zeros(5), torch.eye(5) + 0.5)
+    state = torch.func.vmap(fnebm.mala(g5, 0.1).init)(fr.normal(fr.key(0), (4, 5)))
+    step = fnebm.mala(g3, 0.1).step
+    with pytest.raises(ValueError, match="does not take the position's 5 elements"):
+        fnebm.sample_chain(step, state, fr.key(1), 2, backend="c", progress=False)
+    chain = fnebm.chain.init(state, fr.key(1))
+    assert "dim == 3" in be.why_not_c(step, chain, be.position)
+    x = state.position
+    with pytest.raises(ValueError, match="dim"):
+        cpu_chain.run_into(g3, x, state.energy, state.grad, fr.split(fr.key(1), 4), 0, torch.tensor(0.1),
+                           torch.tensor(1.0), _outputs(1, x, True), mala=True, n_total=1, first=0, thin=1,
+                           n_keep=1, j0=0)
+
+
+def test_the_op_takes_new_parameter_values_without_a_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    x = fr.normal(fr.key(15), (20, 3))
+    keys = fr.split(fr.key(16), 20)
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def run(target, h, x, keys):
+        return cpu_chain.mala_chain(target, x, target(x), target.grad(x), keys, 0, h, n_steps=3).trace
+
+    for scale, h in ((1.0, 0.1), (2.0, 0.05), (0.5, 0.2)):  # new energy parameters and step sizes
+        target = energies.gaussian(torch.zeros(3), scale * (torch.eye(3) + 0.5))
+        want = cpu_chain.mala_chain(target, x, target(x), target.grad(x), keys, 0, h, n_steps=3).trace
+        torch.testing.assert_close(run(target, torch.tensor(h), x, keys), want)
+    assert counter.frame_count == 1

@@ -145,6 +145,10 @@ def _common(x: Tensor, energy: Any, state: Any, chain: Any, step_size: Any, nois
     if x.ndim != len(chains) + 1:
         return f"the position {tuple(x.shape)} is not (*chains, d) for chains {chains}: the kernels take one event axis"
     d = x.shape[-1]
+    try:  # an energy for another dimension: the kernels would read its parameters at the wrong size
+        energy.check_dim(d)
+    except ValueError as exc:
+        return f"the energy does not take the position's {d} elements per chain ({exc})"
     if max_dim is not None and d > max_dim:
         return f"the position has {d} elements per chain, more than the kernels' MAX_DIM={max_dim}"
     if any(t.device != device or t.dtype != x.dtype for t in (state.energy, state.grad)):

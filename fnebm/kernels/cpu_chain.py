@@ -315,6 +315,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     if min(n_total, thin) < 1 or min(first, n_keep, j0) < 0 or j0 + n_keep > draws:
         raise ValueError(f"bad schedule: n_total={n_total}, first={first}, thin={thin}, n_keep={n_keep}, j0={j0} "
                          f"for {draws} draws")
+    energy_fn.check_dim(d)  # ValueError: its parameters would be read at the wrong size
     family, scalars, vectors = _params(energy_fn, d)
     return _launch(lib, family, scalars, vectors, position, energy, grad, keys, int(start), step_size, noise_scale,
                    outputs, mala, n_total, first, thin, n_keep, j0, energy_trace)
