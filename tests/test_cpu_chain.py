@@ -237,7 +237,7 @@ def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
 
 
 def test_the_library_is_built_once_and_then_loaded(tmp_path):
-    code = "from fnebm.kernels import cpu_chain; assert cpu_chain.available() is None; print(cpu_chain._lib._name)"
+    code = "from fnebm.kernels import cpu_chain; assert cpu_chain.available() is None; print(cpu_chain.LIBRARY.lib._name)"
     env = dict(os.environ, FNEBM_CACHE_DIR=str(tmp_path))
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr

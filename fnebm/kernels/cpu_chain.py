@@ -19,48 +19,29 @@ steps, as the compiled and eager paths do.
 
 **Built on first use** with the system C compiler (``$CC``, else ``cc``; about 1.5 s on two cores) for this
 machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
-that hashes the source, the flags, the compiler and the CPU; later processes load it from
+that hashes the sources, the flags, the compiler and the CPU (:mod:`fnebm.kernels._cbuild`); later processes load it from
 there. Where no compiler works, :func:`available` says why and ``sample_chain`` runs the
 compiled runner as before. Called through ``ctypes``, which releases the GIL.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
+from fnebm.kernels._cbuild import FLAGS, CLibrary
 
 __all__ = ["available", "built", "build_seconds", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_chain.c")
-# -O2: as fast as -O3 here (the loops that matter are `omp simd`, vectorised either way; W1 27.6 vs
-# 28.2 ms, W3 38.4 vs 39.5 ms) and half the build (1.4 s against 3.0 s on 2 cores).
-# -mprefer-vector-width=512 (x86 only): GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless
-# told; the kernel's blocks are 16 float32 chains, one 512-bit register (ignored where there is none).
-FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC") + (
-    ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
+_HEADER = Path(__file__).with_name("_cpu_common.h")
 # The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
 _FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2, Rastrigin: 3}
 _GAUSSIAN_FULL = 4  # a Gaussian with a full Cholesky factor (the C kernel's own number)
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_why: str | None = None  # why the library is unavailable, once a build failed
-_build_s = 0.0  # seconds this process spent compiling the library (0 when it was found on disk)
 
 
 class _Args(ctypes.Structure):
@@ -73,175 +54,36 @@ class _Args(ctypes.Structure):
     )
 
 
-def _compiler() -> list[str] | None:
-    """The compiler command, as ``$CC`` gives it (``"ccache gcc"`` and ``"gcc -m64"`` included), or ``None``."""
-    words = shlex.split(os.environ.get("CC") or "cc")
-    found = shutil.which(words[0]) if words else None
-    return [found, *words[1:]] if found else None
+def _setup(lib: ctypes.CDLL) -> None:
+    for fn in (lib.fnebm_langevin_chain, lib.fnebm_mala_chain):
+        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
 
 
-def _cpu_id() -> str:
-    # -march=native code runs only on a CPU with the same instruction sets: the cache name says which
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dirs() -> list[Path]:
-    """Where the library may be built: ``$FNEBM_CACHE_DIR`` if set; else ``~/.cache/fnebm`` (or
-    ``$XDG_CACHE_HOME/fnebm``), then a folder of this user's own under the temporary directory."""
-    root = os.environ.get("FNEBM_CACHE_DIR")
-    if root:
-        return [Path(root)]
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fnebm"
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    return [home, Path(tempfile.gettempdir()) / f"fnebm-{uid}"]
-
-
-def _usable(folder: Path) -> bool:
-    """Creates ``folder`` if needed; whether this user may build there and load from it: a folder
-    others can write to could hold a planted library (Inductor checks its cache the same way)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = folder.stat()
-    except OSError:
-        return False
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return False
-    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
-        return False
-    return True
-
-
-def _name(cc: list[str]) -> str:
-    """The library's file name: a hash of the source, the flags, the compiler, the CPU and torch."""
-    source = _SOURCE.read_bytes()
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
-    digest = hashlib.sha256(b"\0".join([source, " ".join(cc[1:] + list(FLAGS)).encode(), version.encode(),
-                                        _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:20]
-    return f"cpu_chain-{digest}.so"
-
-
-def _cached(name: str) -> Path | None:
-    for folder in _cache_dirs():
-        if (folder / name).exists() and _usable(folder):
-            return folder / name
-    return None
+# Langevin and MALA are the one source compiled twice (-DFNEBM_MALA=0/1), in parallel
+LIBRARY = CLibrary("cpu_chain", [(_SOURCE, ("-DFNEBM_MALA=0",)), (_SOURCE, ("-DFNEBM_MALA=1",))],
+                   [_SOURCE, _HEADER], _setup)
 
 
 def built() -> bool:
     """Whether the kernel is ready without compiling: loaded, failed for good, or found on disk.
     ``False`` means that the first run it serves compiles it first (about 1.5 s): the command line
     says so before that wait."""
-    if _lib is not None or _why is not None:
-        return True
-    cc = _compiler()
-    if cc is None:
-        return True  # nothing will be compiled
-    try:
-        return _cached(_name(cc)) is not None
-    except RuntimeError:
-        return True
+    return LIBRARY.built()
 
 
 def build_seconds() -> float:
     """Seconds this process spent compiling the kernel (0.0 when it was loaded from disk or not used)."""
-    return _build_s
-
-
-def _build(cc: list[str]) -> Path:
-    """The shared library, compiled now unless a matching one is cached; raises ``RuntimeError``."""
-    name = _name(cc)
-    found = _cached(name)
-    if found is not None:
-        return found
-    folders = _cache_dirs()
-    usable = [f for f in folders if _usable(f)]
-    if not usable:
-        raise RuntimeError(f"cannot write the build cache ({', '.join(map(str, folders))}: missing, not writable, or "
-                           "writable by others); set FNEBM_CACHE_DIR to a folder of your own")
-    target = usable[0] / name
-    global _build_s
-    t0 = time.perf_counter()
-    with _build_lock(target):  # one process builds; the others wait, then load its library
-        if not target.exists():
-            _compile(cc, target)
-    _build_s += time.perf_counter() - t0
-    return target
-
-
-@contextlib.contextmanager
-def _build_lock(target: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: builds may overlap, each ending in an atomic rename
-        yield
-        return
-    with open(target.with_suffix(".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _compile(cc: list[str], target: Path) -> None:
-    # compile beside the target and rename: another process never loads a half-written library.
-    # Langevin and MALA are two objects compiled at once: on two cores 1.5 s in all, against 2.6 s for
-    # the two compiles one after the other.
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
-        objects = [os.path.join(work, f"chain{mala}.o") for mala in (0, 1)]
-        jobs = [subprocess.Popen([*cc, *FLAGS, f"-DFNEBM_MALA={mala}", "-c", str(_SOURCE), "-o", obj],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for mala, obj in zip((0, 1), objects)]
-        errors = [job.communicate(timeout=300)[1] for job in jobs]
-        for job, err in zip(jobs, errors):
-            if job.returncode != 0:
-                first = (err.strip().splitlines() or ["no message"])[0]
-                raise RuntimeError(f"{' '.join(cc)} failed to build the C kernel: {first}")
-        tmp = os.path.join(work, "cpu_chain.so")
-        done = subprocess.run([*cc, "-shared", "-fopenmp", *objects, "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise RuntimeError(f"{' '.join(cc)} failed to link the C kernel: {first}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
+    return LIBRARY.build_s
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _why
-    with _lock:
-        if _lib is not None or _why is not None:
-            return _lib
-        cc = _compiler()
-        if cc is None:
-            _why = f"no C compiler found (set CC; tried {os.environ.get('CC') or 'cc'})"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            _why = str(exc)
-            return None
-        for fn in (lib.fnebm_langevin_chain, lib.fnebm_mala_chain):
-            fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        _lib = lib
-        return lib
+    return LIBRARY.load()
 
 
 def available() -> str | None:
     """``None`` when the C kernel is built (or builds now) and loads, else why not (one phrase)."""
-    _load()
-    return _why
+    return LIBRARY.available()
 
 
 def covers(energy_fn) -> str | None:
@@ -287,7 +129,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
     """
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"the C kernel is unavailable: {_why}")
+        raise RuntimeError(f"the C kernel is unavailable: {LIBRARY.why}")
     d = position.shape[-1]
     n = keys.numel() // 2
     if keys.dtype != torch.int64 or keys.device.type != "cpu":
@@ -363,7 +205,7 @@ def _chain_op(x: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tens
               burn_in: int, thin: int) -> list[Tensor]:
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"the C kernel is unavailable: {_why}")
+        raise RuntimeError(f"the C kernel is unavailable: {LIBRARY.why}")
     outputs = _fresh(x, n_steps // thin, mala)
     final = _launch(lib, family, scalars, vectors, x, energy, grad, keys, int(start), step_size.contiguous(),
                     noise_scale.contiguous(), outputs, mala, burn_in + n_steps, burn_in + thin - 1, thin,

@@ -63,6 +63,7 @@ stacks its results back; the arithmetic, and so every draw, is unchanged.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Callable, NamedTuple
 
@@ -74,6 +75,7 @@ from fnebm import random as fr
 from fnebm._control import while_loop
 from fnebm.gradients import value_and_grad
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
+from fnebm.integrators.metrics import _resolve as resolve_inverse_mass_matrix
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
     KernelCache,
@@ -352,6 +354,7 @@ def nuts(
     *,
     integrator: tuple[float, ...] = velocity_verlet,
     divergence_threshold: float = 1000.0,
+    backend: str = "auto",
 ) -> SamplingAlgorithm:
     """NUTS targeting ``p(x) ∝ exp(-E(x))``: trajectories that double until they turn.
 
@@ -361,6 +364,15 @@ def nuts(
     >= 1, at most ``2^max_tree_depth - 1`` integrator steps per transition. A subtree whose
     energy error exceeds ``divergence_threshold`` or turns non-finite is dropped, the tree stops
     and the transition is flagged ``is_divergent``.
+
+    ``backend``: which code runs a transition. ``"auto"`` (default) takes the C kernel of
+    :mod:`fnebm.kernels.cpu_nuts` where it applies — CPU float32 tensors, an energy the C kernels
+    compute in closed form (:class:`~fnebm.energies.Gaussian`, :class:`~fnebm.energies.DoubleWell`,
+    :class:`~fnebm.energies.Harmonic`, :class:`~fnebm.energies.Rastrigin`), no ``torch.func``
+    transform and no gradient through the step — where each chain builds its own tree instead of
+    waiting in lockstep for the longest one; elsewhere the torch kernel (:func:`build_kernel`).
+    ``"c"`` insists on the C kernel (``ValueError`` naming what prevents it); ``"torch"`` always runs
+    the torch kernel. Both compute the same transition from the same keys, to float tolerance.
     Returns ``SamplingAlgorithm(init, step)``: ``init(position: (d,)) -> NUTSState`` for one
     chain, ``step(state, keys: (*chains, 2)) -> (NUTSState, NUTSInfo)``.
     """
@@ -378,16 +390,52 @@ def nuts(
                          f"got {integrator}")
     if inverse_mass_matrix is not None:
         inverse_mass_matrix = check_inverse_mass_matrix(inverse_mass_matrix)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     kernel = _kernel_for(coefficients, threshold)
-    if inverse_mass_matrix is None:
-        step = functools.partial(_identity_metric, kernel, energy_fn=energy_fn, step_size=step_size,
-                                 max_tree_depth=max_tree_depth)
-    else:
-        step = functools.partial(kernel, energy_fn=energy_fn, step_size=step_size,
-                                 inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth)
+    step = functools.partial(_step, kernel, energy_fn=energy_fn, step_size=step_size,
+                             inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth,
+                             integrator=coefficients, divergence_threshold=threshold, backend=backend)
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 
-def _identity_metric(kernel, state, key, energy_fn, step_size, max_tree_depth):
-    ones = torch.ones(state.position.shape[-1], dtype=state.position.dtype, device=state.position.device)
-    return kernel(state, key, energy_fn, step_size, ones, max_tree_depth)
+BACKENDS = ("auto", "c", "torch")
+
+
+def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
+          max_tree_depth: int, integrator: tuple[float, ...], divergence_threshold: float,
+          backend: str) -> tuple[NUTSState, NUTSInfo]:
+    """The step of :func:`nuts`: the C kernel where ``backend`` and the arguments allow, else ``kernel``."""
+    x = state.position
+    if inverse_mass_matrix is None:  # the identity, for any d
+        inverse_mass_matrix = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    if backend != "torch":
+        reason = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
+        if reason is None:
+            cpu_nuts = importlib.import_module("fnebm.kernels.cpu_nuts")
+            dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
+            out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
+                                     max_tree_depth=max_tree_depth, coefficients=integrator,
+                                     divergence_threshold=divergence_threshold)
+            return NUTSState(*out[:3]), NUTSInfo(*out[3:])
+        if backend == "c":
+            raise ValueError(f'backend="c" cannot run this NUTS transition: {reason}. backend="auto" runs it with '
+                             "the torch kernel instead")
+    return kernel(state, key, energy_fn, step_size, inverse_mass_matrix, max_tree_depth)
+
+
+def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
+               integrator: tuple[float, ...]) -> str | None:
+    """``None`` when the C kernel runs this transition, else why not (metadata only; a shape the
+    torch kernel refuses is left for it to name)."""
+    x = state.position
+    if not isinstance(x, Tensor) or not isinstance(key, Tensor) or x.device.type != "cpu":
+        return "the chains are not on the CPU (the C kernel runs on the CPU)"
+    if not isinstance(state, NUTSState):
+        return f"the state is a {type(state).__name__}, not a NUTSState"
+    try:
+        dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
+    except ValueError as exc:
+        return str(exc)
+    cpu_nuts = importlib.import_module("fnebm.kernels.cpu_nuts")
+    return cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator)

@@ -1,0 +1,200 @@
+"""One NUTS transition of every chain on the CPU, in C: each chain builds its own tree.
+
+For the energies :mod:`fnebm.kernels.cpu_chain` computes in closed form (double well, harmonic,
+Rastrigin, a Gaussian with a diagonal or full factor), the C kernel (``_cpu_nuts.c`` beside this
+file) runs the transition of :func:`fnebm.nuts` for one chain after another on
+``torch.get_num_threads()`` OpenMP threads: the momentum draw, every integrator step of the
+doubling trajectory with the energy and gradient in closed form, progressive and biased
+multinomial sampling, the generalised U-turn checks through popcount-indexed checkpoints (with
+Stan's extra checks), the divergence check, and the transition's info. Its twin is the torch
+kernel of :mod:`fnebm.samplers.nuts`, a flat loop that advances every chain in lockstep and
+masks the finished ones (it waits for the longest tree); this kernel computes the same
+transition from the same keys (the momentum ``normal(split(key)[0], (d,))``, and
+``uniform(fold_in(split(key)[1], i), 3)`` at the chain's ``i``-th integrator step) in float32.
+The Philox words are bit-identical; ``log``, ``sin`` and ``cos`` of the momentum draw are
+Cephes' polynomials, and dot products sum in another order, so the two agree to float
+tolerance, and a tree decision that sits within rounding of its threshold can go either way.
+
+:func:`fnebm.nuts` takes this kernel by itself (``backend="auto"``) where it applies; this
+module is the launcher (:func:`nuts_step`, the op ``torch.ops.fnebm.cpu_nuts``) and the test
+of what it covers (:func:`why_not`). The library builds on first use with the system C
+compiler (about 1 s, cached on disk; :mod:`fnebm.kernels._cbuild`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fnebm.kernels import cpu_chain
+from fnebm.kernels._cbuild import CLibrary
+
+__all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "MAX_COEFFICIENTS"]
+
+_SOURCE = Path(__file__).with_name("_cpu_nuts.c")
+MAX_COEFFICIENTS = 15  # the C kernel's MAX_COEF: integrators of up to 7 gradient evaluations per step
+
+
+class _Args(ctypes.Structure):
+    _fields_ = (
+        [(n, ctypes.c_int64) for n in ("n_chains", "d", "depth", "n_coef", "extra_checks", "key_stride_c",
+                                       "key_stride_w", "h_stride", "m_stride", "dense")]
+        + [(n, ctypes.c_void_p) for n in ("x_in", "e_in", "g_in", "h_ptr", "imm", "mfac", "scalars", "vectors",
+                                          "keys", "coef")]
+        + [("threshold", ctypes.c_double)]
+        + [(n, ctypes.c_void_p) for n in ("x_out", "e_out", "g_out", "accept", "energy_error", "divergent",
+                                          "turning", "tree_depth", "n_steps")]
+    )
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.fnebm_nuts_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
+    lib.fnebm_nuts_step.restype = ctypes.c_int
+
+
+LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ())], [_SOURCE, cpu_chain._HEADER], _setup)
+
+
+def available() -> str | None:
+    """``None`` when the C kernel is built (or builds now) and loads, else why not (one phrase)."""
+    return LIBRARY.available()
+
+
+def built() -> bool:
+    """Whether the kernel is ready without compiling (loaded, failed for good, or found on disk)."""
+    return LIBRARY.built()
+
+
+def build_seconds() -> float:
+    """Seconds this process spent compiling the kernel (0.0 when it was loaded from disk or not used)."""
+    return LIBRARY.build_s
+
+
+def _wrapped(t: Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key: Tensor, step_size: Tensor,
+            inverse_mass_matrix: Tensor, dense: bool, coefficients: Sequence[float]) -> str | None:
+    """``None`` when the C kernel runs this transition (metadata only), else the first reason it cannot.
+
+    ``position: (*chains, d)``; ``key: (*chains, 2)``; ``step_size``: 0-dim or broadcasting against
+    the chains; ``inverse_mass_matrix``: ``(d,)`` / ``(*chains, d)``, or dense ``(d, d)`` /
+    ``(*chains, d, d)``.
+    """
+    reason = cpu_chain.covers(energy_fn)
+    if reason is not None:
+        return reason
+    held = [position, energy, grad, key, step_size, inverse_mass_matrix,
+            *(t for t in pytree.tree_leaves(energy_fn) if isinstance(t, Tensor))]
+    if any(_wrapped(t) for t in held):
+        return "the step runs inside a torch.func transform (vmap, grad): the kernel reads plain tensors"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
+        return "a gradient flows through the transition (the kernel has no backward)"
+    if any(t.device.type != "cpu" for t in held):
+        return "the tensors are not all on the CPU (the C kernel runs on the CPU)"
+    if any(t.dtype != torch.float32 for t in held[:3] + held[6:]):
+        return "the position, its energy and gradient and the energy's parameters are not all float32 (the kernel's precision)"
+    if not (step_size.is_floating_point() and inverse_mass_matrix.is_floating_point()):
+        return "the step size and inverse mass matrix are not floating tensors"
+    chains = tuple(key.shape[:-1])
+    if position.ndim != len(chains) + 1 or tuple(position.shape[:-1]) != chains:
+        return f"the position {tuple(position.shape)} is not (*chains, d) for keys {tuple(key.shape)}"
+    d = position.shape[-1]
+    try:
+        energy_fn.check_dim(d)
+    except ValueError as exc:
+        return f"the energy does not take the position's {d} elements per chain ({exc})"
+    if step_size.ndim and (step_size.ndim > len(chains)
+                           or any(a not in (b, 1) for a, b in zip(step_size.shape, chains))):
+        return f"the step size of shape {tuple(step_size.shape)} is neither 0-dim nor per chain {chains}"
+    if len(coefficients) > MAX_COEFFICIENTS:
+        return f"the integrator has {len(coefficients)} coefficients, more than the kernel's {MAX_COEFFICIENTS}"
+    return available()
+
+
+def _strided(t: Tensor, chains: tuple[int, ...], event: tuple[int, ...]) -> tuple[Tensor, int]:
+    """A shared ``event`` tensor (stride 0 between chains) or a per-chain one, flat and contiguous."""
+    if tuple(t.shape) == event:
+        return t.contiguous(), 0
+    return t.reshape((-1,) + event).contiguous(), int(torch.Size(event).numel())
+
+
+@torch.library.custom_op("fnebm::cpu_nuts", mutates_args=())
+def _nuts_op(x: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, step_size: Tensor, imm: Tensor, mfac: Tensor,
+             scalars: Tensor, vectors: Tensor, coefficients: Tensor, family: int, dense: bool, depth: int,
+             threshold: float, extra_checks: bool) -> list[Tensor]:
+    lib = LIBRARY.load()
+    if lib is None:
+        raise RuntimeError(f"the C NUTS kernel is unavailable: {LIBRARY.why}")
+    chains, d = tuple(x.shape[:-1]), x.shape[-1]
+    n = x.numel() // d if d else 0
+    xs = x.reshape(n, d).contiguous()
+    gs = grad.reshape(n, d).contiguous()
+    es = energy.reshape(n).contiguous()
+    ks = keys.reshape(n, 2)
+    h = step_size.reshape(-1).contiguous()
+    event = (d, d) if dense else (d,)
+    m, m_stride = _strided(imm, chains, event)
+    f, _ = _strided(mfac, chains, event)
+    coef = coefficients.to(torch.float64).contiguous()
+    scalars, vectors = scalars.contiguous(), vectors.contiguous()
+    x_out, g_out, e_out = torch.empty_like(xs), torch.empty_like(gs), torch.empty_like(es)
+    accept, error = torch.empty_like(es), torch.empty_like(es)
+    divergent, turning = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
+    tree_depth, steps = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    args = _Args(n, d, depth, coef.numel(), int(extra_checks), ks.stride(0), ks.stride(1),
+                 1 if h.numel() > 1 else 0, m_stride, int(dense),
+                 xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), m.data_ptr(), f.data_ptr(),
+                 scalars.data_ptr(), vectors.data_ptr(), ks.data_ptr(), coef.data_ptr(), float(threshold),
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
+                 divergent.view(torch.int8).data_ptr(), turning.view(torch.int8).data_ptr(), tree_depth.data_ptr(),
+                 steps.data_ptr())
+    if n and lib.fnebm_nuts_step(ctypes.byref(args), family, torch.get_num_threads()) != 0:
+        raise MemoryError("the C NUTS kernel could not allocate its scratch")
+    outs = [x_out.reshape(x.shape), e_out.reshape(chains), g_out.reshape(x.shape)]
+    return outs + [t.reshape(chains) for t in (accept, divergent, turning, error, tree_depth, steps)]
+
+
+@_nuts_op.register_fake
+def _(x, energy, grad, keys, step_size, imm, mfac, scalars, vectors, coefficients, family, dense, depth, threshold,
+      extra_checks):
+    chains = tuple(x.shape[:-1])
+    outs = [torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(chains),
+            torch.empty_like(x, memory_format=torch.contiguous_format)]
+    return outs + [x.new_empty(chains), x.new_empty(chains, dtype=torch.bool), x.new_empty(chains, dtype=torch.bool),
+                   x.new_empty(chains), x.new_empty(chains, dtype=torch.int64), x.new_empty(chains, dtype=torch.int64)]
+
+
+def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key: Tensor, step_size: Tensor,
+              inverse_mass_matrix: Tensor, dense: bool, *, max_tree_depth: int, coefficients: Sequence[float],
+              divergence_threshold: float, uturn_extra_checks: bool = True) -> list[Tensor]:
+    """One NUTS transition of every chain: ``[position, energy, grad, acceptance_rate, is_divergent,
+    is_turning, energy_error, tree_depth, num_integration_steps]`` (the fields of
+    :class:`fnebm.samplers.nuts.NUTSState` and ``NUTSInfo``).
+
+    The caller has checked the arguments with :func:`why_not`. ``step_size`` is 0-dim or per chain;
+    ``inverse_mass_matrix`` diagonal or (``dense``) dense, shared or per chain. Traces under
+    ``torch.compile(fullgraph=True)`` as one node (the momentum's factor is computed in torch before it).
+    """
+    chains, d = tuple(position.shape[:-1]), position.shape[-1]
+    family, scalars, vectors = cpu_chain._params(energy_fn, d)
+    imm = inverse_mass_matrix.to(position.dtype)
+    if dense:  # M^{-1} = L L^T, and p = L^{-T} z has covariance M: the kernel takes L^{-T}
+        tril = torch.linalg.cholesky(imm)
+        eye = torch.eye(d, dtype=imm.dtype).expand(tril.shape)
+        mfac = torch.linalg.solve_triangular(tril.mT, eye, upper=True)
+    else:
+        mfac = imm.rsqrt()
+    h = step_size.to(position.dtype)
+    if h.ndim:
+        h = h.reshape(tuple(h.shape) + (1,) * (len(chains) - h.ndim)).expand(chains)
+    coef = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
+    return torch.ops.fnebm.cpu_nuts(position, energy, grad, key, h, imm, mfac, scalars.to(position.dtype),
+                                    vectors.to(position.dtype), coef, family, bool(dense), int(max_tree_depth),
+                                    float(divergence_threshold), bool(uturn_extra_checks))
