@@ -36,13 +36,17 @@ Workloads (fixed, so that runs compare over time):
          peers: BlackJAX hmc (jit + vmap + lax.scan), TorchEBM HamiltonianMonteCarlo +
          GaussianModel (its Gaussian: a dense precision matrix)
   W6     NUTS with window adaptation (500 warm-up + 1,000 draws), 50-D correlated Gaussian
-         (AR(1) covariance 0.9**|i-j|, mean 0; energy 0.5 x.P.x with the dense precision
-         P = inverse covariance, float32), 64 chains started at the same standard normal
+         (AR(1) covariance 0.9**|i-j|, mean 0, float32), 64 chains started at the same standard normal
          draws, initial step size 50**-0.25 (fnebm's default), diagonal mass matrix, target
          acceptance 0.8, max tree depth 10. Adaptation per chain in both (BlackJAX's
          window_adaptation is one chain's: jax.vmap of warmup.run over the chains; fnebm:
          window_adaptation(..., pooled=False)), then nuts with each chain's parameters; each
          call does warm-up + draws (one jit for BlackJAX; two compiled calls for fnebm).
+         The target: BlackJAX's log density -0.5 x.P.x with the dense precision P (the inverse
+         covariance); fnebm's row fnebm.energies.Gaussian(0, L) with L the Cholesky factor of P
+         (energy 0.5 |L^T x|^2, the same density; fnebm.nuts then runs each transition in its C
+         kernel, each chain building its own tree); variant row: fnebm with the energy as the
+         plain function 0.5 x.P.x, which the torch kernel runs (every chain in lockstep).
          Reported besides the times: min over the 50 coordinates of the bulk ESS
          (fnebm.diagnostics.ess_bulk of the (draws, chains, dim) draws), and ESS/s with compile
          excluded (min ESS / warm time) and included (min ESS / cold time). --quick: 50 warm-up
@@ -410,10 +414,13 @@ def _w6_energy(precision, x):
     return 0.5 * (x @ (precision @ x))
 
 
-def fnebm_nuts_window(chains, warmup, draws):
-    import functools
+def _w6_gaussian():
+    """The W6 target as fnebm.energies.Gaussian: mean 0 and the lower Cholesky factor of P (float64, then float32)."""
+    tril = torch.linalg.cholesky(_w6_precision().double()).float()
+    return fnebm.energies.Gaussian(torch.zeros(W6_DIM), tril)
 
-    energy = functools.partial(_w6_energy, _w6_precision())
+
+def _fnebm_nuts_window(energy, chains, warmup, draws):
     x0 = _w6_start(chains)
     k_warm, k_draw = fr.key(1), fr.key(2)
     adapt = fnebm.window_adaptation(fnebm.nuts, energy, warmup, pooled=False, target_acceptance_rate=0.8,
@@ -425,6 +432,18 @@ def fnebm_nuts_window(chains, warmup, draws):
         return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=True, progress=False)[1]  # (draws, chains, d)
 
     return run
+
+
+def fnebm_nuts_window(chains, warmup, draws):
+    """fnebm.energies.Gaussian: fnebm.nuts runs each transition in its C kernel (each chain its own tree)."""
+    return _fnebm_nuts_window(_w6_gaussian(), chains, warmup, draws)
+
+
+def fnebm_nuts_window_custom(chains, warmup, draws):
+    """The energy as a plain function 0.5 x.P.x: the torch kernel (all chains in lockstep, compiled)."""
+    import functools
+
+    return _fnebm_nuts_window(functools.partial(_w6_energy, _w6_precision()), chains, warmup, draws)
 
 
 def blackjax_nuts_window(chains, warmup, draws):
@@ -700,7 +719,7 @@ WORKLOADS = {
     "W6": dict(
         title="NUTS + window adaptation, 50-D AR(1) Gaussian (rho 0.9), {chains} chains, {warmup} warm-up + {draws} draws",
         ours=("fnebm", fnebm_nuts_window),
-        peers=[("BlackJAX", blackjax_nuts_window)],
+        peers=[("BlackJAX", blackjax_nuts_window), ("fnebm, energy as a function", fnebm_nuts_window_custom)],
         full=dict(chains=64, warmup=500, draws=1_000),
         quick=dict(chains=8, warmup=50, draws=100),
         ess=True,  # run() returns the (draws, chains, dim) trace; rows get min bulk ESS and ESS/s

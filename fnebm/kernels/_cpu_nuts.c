@@ -102,6 +102,23 @@ static inline __attribute__((always_inline)) float energy_grad(const int family,
          : family == RASTRIGIN   ? pa * (float)d + acc : 0.5f * acc;
 }
 
+/* energy_grad for the family given at run time: each case is its own vectorised copy */
+static float energy_grad_any(int family, const float *restrict sc, const float *restrict vec, int64_t d,
+                             const float *restrict x, float *restrict g, float *restrict tmp) {
+    switch (family) {
+    case DOUBLE_WELL:
+        return energy_grad(DOUBLE_WELL, sc, vec, d, x, g, tmp);
+    case HARMONIC:
+        return energy_grad(HARMONIC, sc, vec, d, x, g, tmp);
+    case GAUSSIAN:
+        return energy_grad(GAUSSIAN, sc, vec, d, x, g, tmp);
+    case RASTRIGIN:
+        return energy_grad(RASTRIGIN, sc, vec, d, x, g, tmp);
+    default:
+        return energy_grad(GAUSSIAN_FULL, sc, vec, d, x, g, tmp);
+    }
+}
+
 /* v = M^{-1} p: diagonal imm * p, or the dense imm's rows against p */
 static inline void velocity(float *restrict v, const float *restrict p, const float *restrict imm, int64_t d,
                             int dense) {
@@ -165,8 +182,7 @@ static inline unsigned popcount64(int64_t n) { return (unsigned)__builtin_popcou
 /* the number of floats of scratch one chain's transition uses */
 static int64_t scratch_floats(int64_t d, int64_t depth) { return (26 + 4 * depth) * d + 3 * depth + 64; }
 
-static inline __attribute__((always_inline)) void transition(const nuts_args_t *a, int64_t c, float *buf,
-                                                             const int family) {
+static void transition(const nuts_args_t *a, int64_t c, float *buf, const int family) {
     const int64_t d = a->d, depth = a->depth;
     const int dense = (int)a->dense, extra = (int)a->extra_checks;
     const float *imm = a->imm + c * a->m_stride, *mfac = a->mfac + c * a->m_stride;
@@ -261,7 +277,7 @@ static inline __attribute__((always_inline)) void transition(const nuts_args_t *
 #pragma omp simd
                 for (int64_t q = 0; q < d; q++)
                     nx[q] = nx[q] + ce * tmp2[q];
-                nu = energy_grad(family, a->scalars, a->vectors, d, nx, ng, tmp);
+                nu = energy_grad_any(family, a->scalars, a->vectors, d, nx, ng, tmp);
             }
         }
         velocity(nv, np, imm, d, dense);
@@ -409,16 +425,7 @@ int fnebm_nuts_step(const nuts_args_t *a, int family, int n_threads) {
         for (int64_t c = 0; c < a->n_chains; c++) {
             if (buf == NULL)
                 continue;
-            if (family == DOUBLE_WELL)
-                transition(a, c, buf, DOUBLE_WELL);
-            else if (family == HARMONIC)
-                transition(a, c, buf, HARMONIC);
-            else if (family == GAUSSIAN)
-                transition(a, c, buf, GAUSSIAN);
-            else if (family == RASTRIGIN)
-                transition(a, c, buf, RASTRIGIN);
-            else
-                transition(a, c, buf, GAUSSIAN_FULL);
+            transition(a, c, buf, family);
         }
         free(buf);
     }

@@ -60,6 +60,7 @@ def _setup(lib: ctypes.CDLL) -> None:
 LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ())], [_SOURCE, cpu_chain._HEADER], _setup)
 
 
+@torch._dynamo.assume_constant_result  # traced code asks too: it builds and loads then, once, outside the graph
 def available() -> str | None:
     """``None`` when the C kernel is built (or builds now) and loads, else why not (one phrase)."""
     return LIBRARY.available()
@@ -92,7 +93,9 @@ def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key:
         return reason
     held = [position, energy, grad, key, step_size, inverse_mass_matrix,
             *(t for t in pytree.tree_leaves(energy_fn) if isinstance(t, Tensor))]
-    if any(_wrapped(t) for t in held):
+    # eager under a torch.func transform: the torch kernel (the op has a vmap rule, for compiled
+    # code, where Dynamo traces vmap and this test cannot run; a gradient is refused below)
+    if not torch.compiler.is_compiling() and any(_wrapped(t) for t in held):
         return "the step runs inside a torch.func transform (vmap, grad): the kernel reads plain tensors"
     if torch.is_grad_enabled() and any(t.requires_grad for t in held):
         return "a gradient flows through the transition (the kernel has no backward)"
@@ -169,6 +172,39 @@ def _(x, energy, grad, keys, step_size, imm, mfac, scalars, vectors, coefficient
             torch.empty_like(x, memory_format=torch.contiguous_format)]
     return outs + [x.new_empty(chains), x.new_empty(chains, dtype=torch.bool), x.new_empty(chains, dtype=torch.bool),
                    x.new_empty(chains), x.new_empty(chains, dtype=torch.int64), x.new_empty(chains, dtype=torch.int64)]
+
+
+def _nuts_vmap(info, in_dims, x, energy, grad, keys, step_size, imm, mfac, scalars, vectors, coefficients, family,
+               dense, depth, threshold, extra_checks):
+    # vmap over chains is more chains: the mapped axis leads the chain axes of every per-chain input
+    if any(dim is not None for dim in in_dims[7:10]):
+        raise ValueError("the energy's parameters and the integrator cannot vary across a vmap of the C NUTS "
+                         'kernel (one energy for all chains); map the torch kernel (backend="torch") instead')
+    b = info.batch_size
+
+    def lead(t: Tensor, dim: int | None) -> Tensor:
+        return t.movedim(dim, 0) if dim is not None else t.expand((b,) + tuple(t.shape))
+
+    x, energy, grad, keys = (lead(t, dim) for t, dim in zip((x, energy, grad, keys), in_dims[:4]))
+    chains = tuple(x.shape[:-1])
+    event = (x.shape[-1],) * (2 if dense else 1)
+
+    def per_chain(t: Tensor, dim: int | None, shared: tuple[int, ...]) -> Tensor:
+        if dim is None and tuple(t.shape) == shared:
+            return t  # shared by every chain, mapped or not
+        t = lead(t, dim)
+        if tuple(t.shape[1:]) == shared:  # one per mapped index
+            t = t.reshape((b,) + (1,) * (len(chains) - 1) + shared)
+        return t.expand(chains + shared)
+
+    step_size = per_chain(step_size, in_dims[4], ())
+    imm, mfac = per_chain(imm, in_dims[5], event), per_chain(mfac, in_dims[6], event)
+    outs = _nuts_op(x, energy, grad, keys, step_size, imm, mfac, scalars, vectors, coefficients, family, dense,
+                    depth, threshold, extra_checks)
+    return outs, [0] * len(outs)
+
+
+torch.library.register_vmap("fnebm::cpu_nuts", _nuts_vmap)
 
 
 def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key: Tensor, step_size: Tensor,

@@ -63,7 +63,6 @@ stacks its results back; the arithmetic, and so every draw, is unchanged.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from typing import Callable, NamedTuple
 
@@ -76,6 +75,7 @@ from fnebm._control import while_loop
 from fnebm.gradients import value_and_grad
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
 from fnebm.integrators.metrics import _resolve as resolve_inverse_mass_matrix
+from fnebm.kernels import cpu_nuts
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
     KernelCache,
@@ -412,7 +412,6 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
     if backend != "torch":
         reason = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
         if reason is None:
-            cpu_nuts = importlib.import_module("fnebm.kernels.cpu_nuts")
             dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
             out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
                                      max_tree_depth=max_tree_depth, coefficients=integrator,
@@ -437,5 +436,4 @@ def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inve
         dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
     except ValueError as exc:
         return str(exc)
-    cpu_nuts = importlib.import_module("fnebm.kernels.cpu_nuts")
     return cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator)
