@@ -283,8 +283,8 @@ def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkey
         pytest.skip(f"the C kernel is unavailable here: {cpu_chain.available()}")
     # a machine that never built it: an empty cache folder, nothing loaded in this process
     monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
-    for name, value in (("_lib", None), ("_why", None), ("_build_s", 0.0)):
-        monkeypatch.setattr(cpu_chain, name, value)
+    for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
+        monkeypatch.setattr(cpu_chain.LIBRARY, name, value)
     monkeypatch.setattr(cli.sample, "_tty", lambda: True)
     argv = [a for a in EAGER if a != "--no-compile"]
     code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv, "--out", tmp_path / "x.pt")
@@ -293,6 +293,34 @@ def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkey
     assert torch.load(tmp_path / "x.pt")["summary"]["kernel_build_s"] > 0
     code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv)  # built: nothing to announce
     assert (code, err) == (0, "") and "building" not in out
+
+
+def test_a_first_build_of_the_nuts_kernel_is_announced_and_counted_in_the_warm_up(tmp_path, monkeypatch, capsys):
+    from fnebm.kernels import cpu_nuts
+
+    if cpu_nuts.available() is not None:
+        pytest.skip(f"the C NUTS kernel is unavailable here: {cpu_nuts.available()}")
+    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
+    for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
+        monkeypatch.setattr(cpu_nuts.LIBRARY, name, value)
+    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    argv = ["--energy", "harmonic", "--sampler", "nuts", "--adapt", "20", *EAGER]
+    code, out, err = run(capsys, "sample", *argv, "--out", tmp_path / "x.pt")
+    assert code == 0 and err.startswith("fnebm: building the NUTS C kernel") and err.count("\n") == 1
+    assert "of it building the C kernel" in out  # in the adaptation's line: its first step built it
+    summary = torch.load(tmp_path / "x.pt")["summary"]
+    assert summary["adapted"]["kernel_build_s"] > 0 and not summary["kernel_build_s"]
+    code, out, err = run(capsys, "sample", *argv)  # built: nothing to announce
+    assert (code, err) == (0, "") and "building" not in out
+
+
+def test_compile_flag_runs_nuts_in_the_torch_kernel(monkeypatch):
+    from fnebm.cli import presets
+
+    target = cli.ENERGIES["harmonic"].build(3, torch.float32, torch.device("cpu"))
+    alg = presets._algorithm(target, "nuts", 0.1, 3, compiled=True)
+    assert alg.step.keywords["backend"] == "torch"
+    assert presets._algorithm(target, "nuts", 0.1, 3).step.keywords["backend"] == "auto"
 
 
 def test_defaults_scale_with_dim_and_sampler():

@@ -215,26 +215,32 @@ def default_steps(energy: str, dim: int, sampler: str = "mala") -> int:
 _collect = position_and_energy
 
 
-def _extra(sampler: str, dim: int) -> dict[str, Any]:
-    """The sampler's arguments beyond the step size: HMC's trajectory, ``ceil(sqrt(dim))`` steps."""
-    return {"num_integration_steps": default_num_integration_steps(dim)} if sampler == "hmc" else {}
+def _extra(sampler: str, dim: int, compiled: bool = False) -> dict[str, Any]:
+    """The sampler's arguments beyond the step size: HMC's trajectory, ``ceil(sqrt(dim))`` steps;
+    with ``--compile`` (``compiled``), NUTS's torch kernel rather than its C kernel (the flag asks
+    for torch.compile's code, as it does of ``sample_chain``)."""
+    if sampler == "hmc":
+        return {"num_integration_steps": default_num_integration_steps(dim)}
+    return {"backend": "torch"} if sampler == "nuts" and compiled else {}
 
 
-def _algorithm(target: Any, sampler: str, step_size: float, dim: int, parameters: dict | None = None):
+def _algorithm(target: Any, sampler: str, step_size: float, dim: int, parameters: dict | None = None,
+               compiled: bool = False):
     """The sampler on ``target``: at ``step_size``, or with adapted ``parameters``."""
     if parameters is not None:
         return SAMPLERS[sampler](target, **parameters)
     if sampler in ADAPTIVE:
-        return SAMPLERS[sampler](target, step_size, None, **_extra(sampler, dim))
+        return SAMPLERS[sampler](target, step_size, None, **_extra(sampler, dim, compiled))
     return SAMPLERS[sampler](target, step_size)
 
 
-def _build(energy: str, sampler: str, step_size: float, dim: int, dtype: torch.dtype, device: str):
+def _build(energy: str, sampler: str, step_size: float, dim: int, dtype: torch.dtype, device: str,
+           compiled: bool = False):
     """``(energy, algorithm)``. A rebuilt sampler of the same kind and shapes reuses the compiled
     graph (``sample_chain`` keys graphs by code, and parameters are graph inputs)."""
     target = ENERGIES[energy].build(dim, dtype, torch.device(device))
     target.check_dim(dim)
-    return target, _algorithm(target, sampler, step_size, dim)
+    return target, _algorithm(target, sampler, step_size, dim, compiled=compiled)
 
 
 def truth_of(energy: str, target: Any, dim: int) -> Truth | None:

@@ -399,21 +399,29 @@ class _Calls:
 def _kernel_build_notice(cfg: Config, target: Any) -> None:
     """On a terminal, one line before the C kernel is compiled for this run (its first use on this
     machine, about 1.5 s), as before a torch.compile."""
-    if not _tty() or cfg.compile != "auto" or cfg.sampler not in ("langevin", "mala") or cfg.rank != 0:
+    if not _tty() or cfg.compile is True or cfg.sampler not in ("langevin", "mala", "nuts") or cfg.rank != 0:
+        return
+    if cfg.compile is False and cfg.sampler != "nuts":  # --no-compile: Langevin and MALA run their eager steps
         return
     if torch.device(cfg.device).type != "cpu" or cfg.dtype != "float32":
         return
-    from fnebm.kernels import cpu_chain
+    from fnebm.kernels import cpu_chain, cpu_nuts
 
-    if cpu_chain.covers(target) is None and not cpu_chain.built():
+    if cpu_chain.covers(target) is not None:
+        return
+    if cfg.sampler == "nuts" and not cpu_nuts.built():
+        print("fnebm: building the NUTS C kernel with the system C compiler: about 1 s, once on this machine "
+              "(cached on disk)", file=sys.stderr, flush=True)
+    elif cfg.sampler != "nuts" and not cpu_chain.built():
         print("fnebm: building the whole-chain C kernel with the system C compiler: about 1.5 s, once on this "
               "machine (cached on disk)", file=sys.stderr, flush=True)
 
 
 def _kernel_build_s() -> float:
-    """Seconds this process spent compiling the C kernel (0.0 if it never loaded it)."""
-    module = sys.modules.get("fnebm.kernels.cpu_chain")
-    return module.build_seconds() if module is not None else 0.0
+    """Seconds this process spent compiling the C kernels (0.0 if it never loaded them)."""
+    return sum(module.build_seconds() for module in (sys.modules.get("fnebm.kernels.cpu_chain"),
+                                                     sys.modules.get("fnebm.kernels.cpu_nuts"))
+               if module is not None)
 
 
 def _setup_words(s: dict[str, Any]) -> str:
@@ -458,7 +466,8 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     Under torchrun ``positions`` and ``energies`` hold this rank's chains; the summary is of all of them."""
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     try:
-        target, alg = _build(cfg.energy, cfg.sampler, cfg.step_size, cfg.dim, dtype, cfg.device)
+        target, alg = _build(cfg.energy, cfg.sampler, cfg.step_size, cfg.dim, dtype, cfg.device,
+                              compiled=cfg.compile is True)
     except (ValueError, TypeError) as e:  # the library's own checks of what we built
         raise UsageError(e) from None
     init_key, run_key = fr.split(fr.key(cfg.seed, device=device))
@@ -468,11 +477,14 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
     state = torch.func.vmap(alg.init)(fdist.shard(x0) if sharded and not cfg.adapt else x0)
 
     adapted, adapt_s = None, None
+    _kernel_build_notice(cfg, target)  # NUTS's C kernel builds at the warm-up's first step
     if cfg.adapt:
+        built_at_adapt = _kernel_build_s()
         adapt_key, run_key = fr.split(run_key)
         t0 = time.perf_counter()
         warmup = fnebm.window_adaptation(SAMPLERS[cfg.sampler], target, cfg.adapt,
-                                         initial_step_size=cfg.step_size, **_extra(cfg.sampler, cfg.dim))
+                                         initial_step_size=cfg.step_size,
+                                         **_extra(cfg.sampler, cfg.dim, cfg.compile is True))
         state, parameters, _ = warmup.run(state, adapt_key, compile=cfg.compile, progress=cfg.progress,
                                           on_plan=_warmup_notice(cfg))
         if sharded:
@@ -483,19 +495,20 @@ def _run(cfg: Config) -> tuple[dict[str, Any], Tensor, Tensor, Any]:
         imm = parameters["inverse_mass_matrix"]
         imm = getattr(imm, "inverse_mass_matrix", imm)
         adapted = dict(step_size=float(parameters["step_size"]),
-                       inverse_mass_matrix_range=(float(imm.min()), float(imm.max())))
+                       inverse_mass_matrix_range=(float(imm.min()), float(imm.max())),
+                       kernel_build_s=(_kernel_build_s() - built_at_adapt) or None)
 
     ramp = _ramp(cfg.burn_in, bool(cfg.adapt), cfg.energy)
     rest = cfg.burn_in - sum(n for _, n in ramp)
     calls = _Calls(cfg, cfg.burn_in + cfg.steps)
     plotting = _PlottingImport(cfg)
     chain, key = state, fdist.local_keys(run_key, cfg.chains) if sharded else run_key
-    _kernel_build_notice(cfg, target)
     built_before = _kernel_build_s()
     t0 = time.perf_counter()
     try:
         for fraction, n in ramp:  # each is one short call: the graph is shared (parameters are data)
-            step = _algorithm(target, cfg.sampler, cfg.step_size * fraction, cfg.dim).step
+            step = _algorithm(target, cfg.sampler, cfg.step_size * fraction, cfg.dim,
+                              compiled=cfg.compile is True).step
             chain, _, _ = fnebm.sample_chain(step, chain, key, n, collect=_collect, chunk_size=n,
                                              compile=cfg.compile, backend=_backend(cfg), progress=False,
                                              on_plan=calls.on_plan, on_chunk=calls.on_chunk)
@@ -762,7 +775,9 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                          "are computed across them")] if s.get("processes") else []),
         *([("adaptation", f"{s['adapt']} warm-up steps: step size {s['adapted']['step_size']:.3g}, diagonal "
                           f"inverse mass matrix in [{s['adapted']['inverse_mass_matrix_range'][0]:.3g}, "
-                          f"{s['adapted']['inverse_mass_matrix_range'][1]:.3g}] ({s['adapt_s']:.2f} s)")]
+                          f"{s['adapted']['inverse_mass_matrix_range'][1]:.3g}] ({s['adapt_s']:.2f} s"
+                          + (f", {s['adapted']['kernel_build_s']:.2f} s of it building the C kernel: once on this "
+                             "machine" if s['adapted'].get('kernel_build_s') else "") + ")")]
           if s.get("adapted") else []),
         ("acceptance", acceptance),
         *([("trajectory", f"mean tree depth {s['mean_tree_depth']:.2f}, mean {s['mean_integration_steps']:.1f} "
