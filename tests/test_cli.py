@@ -663,8 +663,8 @@ def test_matplotlib_is_imported_after_every_decision_that_times_steps(small_demo
     # the eager path's ordering: with the C kernel unavailable (the demo's target is one it covers)
     from fnebm.kernels import cpu_chain
 
-    monkeypatch.setattr(cpu_chain, "_lib", None)
-    monkeypatch.setattr(cpu_chain, "_why", "made unavailable by the test")
+    monkeypatch.setattr(cpu_chain.LIBRARY, "lib", None)
+    monkeypatch.setattr(cpu_chain.LIBRARY, "why", "made unavailable by the test")
     code, out, err = run(capsys, "demo", "--no-progress")  # compile="auto": a short run, eager
     assert (code, err) == (0, "") and "path         eager (auto:" in out
     for thread in threading.enumerate():
