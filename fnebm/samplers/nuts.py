@@ -53,6 +53,12 @@ depth 10, 2 cores, the same draws): 211 us per loop trip for the five-array form
 One gradient per leapfrog step: the state caches the energy and gradient at the position, and so
 does every point of the trajectory.
 
+**On the CPU, a C kernel.** For float32 chains on an energy the C kernels compute in closed form,
+:func:`nuts` (``backend="auto"``) runs each transition in :mod:`fnebm.kernels.cpu_nuts` instead:
+the same algorithm and the same draws, one chain after another per thread, each building its own
+tree, so no chain waits for the longest one. The kernel below is its twin, and serves every other
+run (another dtype or device, any other energy function, a gradient through the step).
+
 The loop's carry is seven tensors (the iteration, and the per-chain integers, flags, scalars,
 points, checkpoint vectors and checkpoint scalars each stacked into one): Inductor's compiled loop allocates, checks and
 passes every carry entry on every iteration, in Python, and with 36 separate entries that
