@@ -236,14 +236,81 @@ def test_the_op_under_vmap_is_more_chains():
     fam, sc, vec = cpu_nuts.cpu_chain._params(energy, 4)
     coef = torch.tensor([0.5, 1.0, 0.5], dtype=torch.float64)
 
-    def op(x, e, g, k, hh):
-        return torch.ops.fnebm.cpu_nuts(x, e, g, k, hh, imm, imm.rsqrt(), sc, vec, coef, fam, False, 8, 1000.0, True)
+    def op(x, e, g, k, hh, m=imm):
+        return torch.ops.fnebm.cpu_nuts(x, e, g, k, hh, m, m.rsqrt(), sc, vec, coef, fam, False, 8, 1000.0, True)
 
+    flat_args = (state.position.reshape(15, 4), state.energy.reshape(15), state.grad.reshape(15, 4),
+                 keys.reshape(15, 2), h.repeat_interleave(5))
     mapped = torch.func.vmap(op)(state.position, state.energy, state.grad, keys, h)
-    flat = op(state.position.reshape(15, 4), state.energy.reshape(15), state.grad.reshape(15, 4), keys.reshape(15, 2),
-              h.repeat_interleave(5))
+    flat = op(*flat_args)
     for a, b in zip(mapped, flat):
         assert torch.equal(a.reshape(b.shape), b)
+    # a metric per mapped index (shared by that index's chains), and one per chain inside
+    per_index = torch.stack([imm, 2 * imm, 0.5 * imm])
+    mapped = torch.func.vmap(op)(state.position, state.energy, state.grad, keys, h, per_index)
+    flat = op(*flat_args, per_index.repeat_interleave(5, 0))
+    for a, b in zip(mapped, flat):
+        assert torch.equal(a.reshape(b.shape), b)
+    per_chain = imm * torch.linspace(0.5, 1.5, 15).reshape(3, 5, 1)
+    mapped = torch.func.vmap(op)(state.position, state.energy, state.grad, keys, h, per_chain)
+    flat = op(*flat_args, per_chain.reshape(15, 4))
+    for a, b in zip(mapped, flat):
+        assert torch.equal(a.reshape(b.shape), b)
+    assert not torch.equal(mapped[0], op(*flat_args)[0].reshape(mapped[0].shape))  # the metric was read
+
+
+def test_the_op_refuses_inconsistent_arguments():
+    energy = _energies(3)["harmonic"]
+    fam, sc, vec = cpu_nuts.cpu_chain._params(energy, 3)
+    x, keys, coef = torch.zeros(4, 3), fr.split(fr.key(0), 4), torch.tensor([0.5, 1.0, 0.5], dtype=torch.float64)
+    e, g, h, imm = torch.zeros(4), torch.zeros(4, 3), torch.tensor(0.1), torch.ones(3)
+    ok = (x, e, g, keys, h, imm, imm, sc, vec, coef, fam, False, 4, 1000.0, True)
+    torch.ops.fnebm.cpu_nuts(*ok)
+    bad = {4: torch.full((2,), 0.1), 6: torch.ones(4, 3), 3: keys.to(torch.int32), 1: torch.zeros(4, 1)}
+    for i, value in bad.items():
+        args = list(ok)
+        args[i] = value
+        with pytest.raises(ValueError, match="inconsistent arguments"):
+            torch.ops.fnebm.cpu_nuts(*args)
+
+
+def test_keys_are_checked_before_the_c_kernel_reads_them():
+    alg = fnebm.nuts(_energies(3)["harmonic"], 0.3, backend="c")
+    state = torch.func.vmap(alg.init)(torch.zeros(4, 3))
+    keys = fr.split(fr.key(0), 4)
+    with pytest.raises(TypeError, match="int64"):
+        alg.step(state, keys.to(torch.int32))
+    with pytest.raises(ValueError, match="outside"):
+        alg.step(state, keys + 2**32)
+
+
+def test_the_plain_criterion_takes_the_same_transition():
+    # the op with Stan's extra checks off against build_kernel(uturn_extra_checks=False)
+    from fnebm.samplers.nuts import build_kernel
+
+    energy = _energies(4)["gaussian full"]
+    n = 128
+    alg = fnebm.nuts(energy, 0.5, backend="torch")
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(25), (n, 4)))
+    keys = fr.split(fr.key(26), n)
+    imm = torch.ones(4)
+    h = torch.tensor(0.15)
+    c = cpu_nuts.nuts_step(energy, state.position, state.energy, state.grad, keys, h, imm, False, max_tree_depth=8,
+                           coefficients=(0.5, 1.0, 0.5), divergence_threshold=1000.0, uturn_extra_checks=False)
+    new, info = build_kernel(uturn_extra_checks=False)(state, keys, energy, h, imm, 8)
+    _assert_same(c, [*new, *info])
+    stan = cpu_nuts.nuts_step(energy, state.position, state.energy, state.grad, keys, h, imm, False, max_tree_depth=8,
+                              coefficients=(0.5, 1.0, 0.5), divergence_threshold=1000.0)
+    assert (stan[8] <= c[8]).all() and (stan[8] < c[8]).any()  # the extra checks only stop trees earlier
+
+
+def test_a_start_with_an_infinite_energy_is_handled_as_the_torch_kernel_handles_it():
+    # a double well at |x| = 1e10 overflows float32: H0 = inf; no trajectory point has a finite weight
+    energy = _energies(3)["double well"]
+    x0 = torch.tensor([[1e10, 0.0, 0.0], [0.5, 0.1, -0.2], [-1e10, 1.0, 1.0]])
+    c, t = _both(energy, x0, fr.split(fr.key(27), 3), 0.1, depth=4)
+    for name, a, b in zip(FIELDS, c, t):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, equal_nan=True, msg=name)
 
 
 # ------------------------------------------------------------------------ compiled, and a warm-up
@@ -263,7 +330,10 @@ def test_compiled_runs_equal_eager_and_new_step_sizes_do_not_recompile():
         state = torch.func.vmap(alg.init)(x0)
         return fnebm.sample_chain(alg.step, state, fr.key(20), 5, compile=compile, progress=False, cache=cache)
 
-    (_, tc, ic), (_, te, ie) = run(0.4, True), run(0.4, False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _, tc, ic = run(0.4, True)
+    assert any("cpu_nuts" in e.name for e in prof.events())  # the op runs inside the compiled graph
+    _, te, ie = run(0.4, False)
     assert torch.equal(tc, te) and torch.equal(ic.num_integration_steps, ie.num_integration_steps)
     before = counter.frame_count
     assert before >= 1

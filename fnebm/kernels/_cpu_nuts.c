@@ -5,13 +5,15 @@
  * merge, the generalised U-turn criterion checked on every balanced sub-subtree through the
  * checkpoints indexed by popcount, Stan's extra checks across the halves of every merge), the same
  * draws (the momentum normal(split(key)[0], (d,)) scaled by the metric, and uniform(fold_in(
- * split(key)[1], i), 3) at the chain's i-th integrator step) and the same arithmetic in float32.
+ * split(key)[1], i), 3) at the chain's i-th integrator step) and the same float32 arithmetic: built
+ * with -ffp-contract=off, so that a - c * b rounds twice as torch's two operations do (dot products
+ * still sum in another order).
  * Where the twin holds every chain in lockstep and masks the finished ones, each chain here builds
  * its own tree: a thread takes a chain, runs its transition to the end and takes the next, so no
  * chain waits for the longest tree.
  *
- * Built beside _cpu_chain.c by fnebm/kernels/cpu_chain.py into its own library (cpu_nuts-*.so),
- * called through ctypes (the GIL is released) by fnebm/kernels/cpu_nuts.py.
+ * Built by fnebm/kernels/cpu_nuts.py (with fnebm/kernels/_cbuild.py, as _cpu_chain.c) into a library
+ * of its own (cpu_nuts-*.so), and called from there through ctypes (the GIL is released).
  */
 #include "_cpu_common.h"
 
@@ -40,12 +42,16 @@ static inline float dotf(const float *restrict a, const float *restrict b, int64
     return s;
 }
 
+/* ATen's logaddexp: equal infinities give themselves (not inf - inf), NaN propagates */
 static inline float logaddexpf(float a, float b) {
-    float m = a > b ? a : b;
-    if (m == -INFINITY)
-        return -INFINITY;
+    if (isinf(a) && a == b)
+        return a;
+    float m = a < b ? b : a;
     return m + log1pf(expf(-fabsf(a - b)));
 }
+
+/* exp(min(x, 0)) as torch's clamp_max then exp: NaN stays NaN (fminf would give 0) */
+static inline float exp_clamped(float x) { return expf(x > 0.0f ? 0.0f : x); }
 
 /* E(x), and its gradient into g: the closed forms of _cpu_chain.c, for one chain (vectorised over
  * the d elements). tmp: d floats of scratch. */
@@ -285,7 +291,7 @@ static void transition(const nuts_args_t *a, int64_t c, float *buf, const int fa
         const int finite = fabsf(nh) <= FLT_BIG && all_finite(ng, d) && all_finite(nx, d);
         const float delta = finite ? h0 - nh : -INFINITY; /* the log weight exp(-(H - H0)) */
         const int divergent = !(finite && -delta <= thr);
-        accept_sum += expf(fminf(delta, 0.0f));
+        accept_sum += exp_clamped(delta);
         steps++;
 
         /* progressive uniform sampling inside the subtree (its first point is taken outright) */
@@ -356,7 +362,7 @@ static void transition(const nuts_args_t *a, int64_t c, float *buf, const int fa
         const int merge = end && !stop;
         int tree_turning = 0;
         if (merge) {
-            if (u_merge < expf(fminf(sw - pw, 0.0f))) { /* biased progressive sampling */
+            if (u_merge < exp_clamped(sw - pw)) { /* biased progressive sampling */
                 memcpy(px, sx, sizeof(float) * d);
                 memcpy(pg, sg, sizeof(float) * d);
                 pu = su;

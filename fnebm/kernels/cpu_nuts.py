@@ -57,7 +57,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_step.restype = ctypes.c_int
 
 
-LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ())], [_SOURCE, cpu_chain._HEADER], _setup)
+# -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's two operations do (the
+# kernel's tree decisions compare against thresholds; the fewer rounding differences the better)
+LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ("-ffp-contract=off",))], [_SOURCE, cpu_chain._HEADER], _setup)
 
 
 @torch._dynamo.assume_constant_result  # traced code asks too: it builds and loads then, once, outside the graph
@@ -106,8 +108,13 @@ def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key:
     if not (step_size.is_floating_point() and inverse_mass_matrix.is_floating_point()):
         return "the step size and inverse mass matrix are not floating tensors"
     chains = tuple(key.shape[:-1])
+    if key.dtype != torch.int64 or key.shape[-1:] != (2,):
+        return f"the key is {key.dtype} of shape {tuple(key.shape)}, not int64 (*chains, 2)"
     if position.ndim != len(chains) + 1 or tuple(position.shape[:-1]) != chains:
         return f"the position {tuple(position.shape)} is not (*chains, d) for keys {tuple(key.shape)}"
+    if tuple(energy.shape) != chains or tuple(grad.shape) != tuple(position.shape):
+        return (f"the state's energy {tuple(energy.shape)} and grad {tuple(grad.shape)} are not (*chains,) and "
+                f"(*chains, d) for the position {tuple(position.shape)}")
     d = position.shape[-1]
     try:
         energy_fn.check_dim(d)
@@ -137,14 +144,23 @@ def _nuts_op(x: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, step_size: T
         raise RuntimeError(f"the C NUTS kernel is unavailable: {LIBRARY.why}")
     chains, d = tuple(x.shape[:-1]), x.shape[-1]
     n = x.numel() // d if d else 0
+    event = (d, d) if dense else (d,)
+    # the op is public: what the C code indexes is checked here (nuts_step passes these layouts)
+    if (tuple(energy.shape) != chains or grad.shape != x.shape or tuple(keys.shape) != chains + (2,)
+            or keys.dtype != torch.int64 or any(t.dtype != torch.float32 for t in (x, energy, grad, scalars, vectors))
+            or step_size.numel() not in (1, n) or imm.shape != mfac.shape
+            or tuple(imm.shape) not in (event, chains + event) or not 1 <= coefficients.numel() <= MAX_COEFFICIENTS
+            or depth < 1):
+        raise ValueError("fnebm::cpu_nuts: inconsistent arguments (float32 x (*chains, d), energy (*chains), grad "
+                         "like x, int64 keys (*chains, 2), step_size of 1 or n values, imm and mfac alike, "
+                         f"{event} or per chain, 1-{MAX_COEFFICIENTS} coefficients, depth >= 1)")
     xs = x.reshape(n, d).contiguous()
     gs = grad.reshape(n, d).contiguous()
     es = energy.reshape(n).contiguous()
     ks = keys.reshape(n, 2)
-    h = step_size.reshape(-1).contiguous()
-    event = (d, d) if dense else (d,)
-    m, m_stride = _strided(imm, chains, event)
-    f, _ = _strided(mfac, chains, event)
+    h = step_size.reshape(-1).to(torch.float32).contiguous()
+    m, m_stride = _strided(imm.to(torch.float32), chains, event)
+    f, _ = _strided(mfac.to(torch.float32), chains, event)
     coef = coefficients.to(torch.float64).contiguous()
     scalars, vectors = scalars.contiguous(), vectors.contiguous()
     x_out, g_out, e_out = torch.empty_like(xs), torch.empty_like(gs), torch.empty_like(es)

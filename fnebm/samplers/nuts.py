@@ -416,6 +416,7 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
     if inverse_mass_matrix is None:  # the identity, for any d
         inverse_mass_matrix = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     if backend != "torch":
+        fr.check_key(key)  # the C kernel reads the words as they are (the torch kernel checks them in split)
         reason = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
         if reason is None:
             dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
