@@ -45,8 +45,10 @@ Workloads (fixed, so that runs compare over time):
          The target: BlackJAX's log density -0.5 x.P.x with the dense precision P (the inverse
          covariance); fnebm's row fnebm.energies.Gaussian(0, L) with L the Cholesky factor of P
          (energy 0.5 |L^T x|^2, the same density; fnebm.nuts then runs each transition in its C
-         kernel, each chain building its own tree); variant row: fnebm with the energy as the
-         plain function 0.5 x.P.x, which the torch kernel runs (every chain in lockstep).
+         kernel, each chain building its own tree); variant rows: the same with compile="auto"
+         (sample_chain's default: here it runs the warm-up and the draws eagerly, around the C
+         kernel) instead of compile=True, and fnebm with the energy as the plain function
+         0.5 x.P.x, which the torch kernel runs (every chain in lockstep).
          Reported besides the times: min over the 50 coordinates of the bulk ESS
          (fnebm.diagnostics.ess_bulk of the (draws, chains, dim) draws), and ESS/s with compile
          excluded (min ESS / warm time) and included (min ESS / cold time). --quick: 50 warm-up
@@ -420,16 +422,16 @@ def _w6_gaussian():
     return fnebm.energies.Gaussian(torch.zeros(W6_DIM), tril)
 
 
-def _fnebm_nuts_window(energy, chains, warmup, draws):
+def _fnebm_nuts_window(energy, chains, warmup, draws, compile=True):
     x0 = _w6_start(chains)
     k_warm, k_draw = fr.key(1), fr.key(2)
     adapt = fnebm.window_adaptation(fnebm.nuts, energy, warmup, pooled=False, target_acceptance_rate=0.8,
                                     is_mass_matrix_diagonal=True, initial_step_size=W6_STEP_SIZE)
 
     def run():
-        state, parameters, _ = adapt.run(x0, k_warm)
+        state, parameters, _ = adapt.run(x0, k_warm, compile=compile)
         alg = fnebm.nuts(energy, **parameters)
-        return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=True, progress=False)[1]  # (draws, chains, d)
+        return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=compile, progress=False)[1]  # (draws, chains, d)
 
     return run
 
@@ -437,6 +439,12 @@ def _fnebm_nuts_window(energy, chains, warmup, draws):
 def fnebm_nuts_window(chains, warmup, draws):
     """fnebm.energies.Gaussian: fnebm.nuts runs each transition in its C kernel (each chain its own tree)."""
     return _fnebm_nuts_window(_w6_gaussian(), chains, warmup, draws)
+
+
+def fnebm_nuts_window_auto(chains, warmup, draws):
+    """As fnebm_nuts_window with compile="auto" (sample_chain's default): it runs eagerly here, as
+    the steps are fast enough that a compile would not pay for itself."""
+    return _fnebm_nuts_window(_w6_gaussian(), chains, warmup, draws, compile="auto")
 
 
 def fnebm_nuts_window_custom(chains, warmup, draws):
@@ -719,7 +727,8 @@ WORKLOADS = {
     "W6": dict(
         title="NUTS + window adaptation, 50-D AR(1) Gaussian (rho 0.9), {chains} chains, {warmup} warm-up + {draws} draws",
         ours=("fnebm", fnebm_nuts_window),
-        peers=[("BlackJAX", blackjax_nuts_window), ("fnebm, energy as a function", fnebm_nuts_window_custom)],
+        peers=[("BlackJAX", blackjax_nuts_window), ("fnebm, compile=\"auto\"", fnebm_nuts_window_auto),
+               ("fnebm, energy as a function", fnebm_nuts_window_custom)],
         full=dict(chains=64, warmup=500, draws=1_000),
         quick=dict(chains=8, warmup=50, draws=100),
         ess=True,  # run() returns the (draws, chains, dim) trace; rows get min bulk ESS and ESS/s
