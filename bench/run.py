@@ -423,15 +423,18 @@ def _w6_gaussian():
 
 
 def _fnebm_nuts_window(energy, chains, warmup, draws, compile=True):
+    # its own cache of compiled graphs: "auto" would otherwise reuse the graphs another row compiled
+    cache = fnebm.chain.RunnerCache()
     x0 = _w6_start(chains)
     k_warm, k_draw = fr.key(1), fr.key(2)
     adapt = fnebm.window_adaptation(fnebm.nuts, energy, warmup, pooled=False, target_acceptance_rate=0.8,
                                     is_mass_matrix_diagonal=True, initial_step_size=W6_STEP_SIZE)
 
     def run():
-        state, parameters, _ = adapt.run(x0, k_warm, compile=compile)
+        state, parameters, _ = adapt.run(x0, k_warm, compile=compile, cache=cache)
         alg = fnebm.nuts(energy, **parameters)
-        return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=compile, progress=False)[1]  # (draws, chains, d)
+        return fnebm.sample_chain(alg.step, state, k_draw, draws, compile=compile, progress=False,
+                                  cache=cache)[1]  # (draws, chains, d)
 
     return run
 
