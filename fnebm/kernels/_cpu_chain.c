@@ -183,26 +183,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
                 /* fnebm.integrators.euler_maruyama, then the energy's closed forms */
                 float p = x[i * CB + j] - h[j] * g[i * CB + j] + sc[j] * z[i * CB + j];
                 float q, n;
-                if (family == DOUBLE_WELL) { /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */
-                    float r = p * p - vb * vb;
-                    q = r * r;
-                    n = 4.0f * va * p * r;
-                } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
-                    q = p * p;
-                    n = va * p;
-                } else if (family == GAUSSIAN) { /* diagonal: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
-                    float delta = p - va, y = delta * vc;
-                    q = y * y;
-                    n = delta * vb;
-                } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
-                    float u = p - floorf(p); /* cos and sin have period 1 in x: reduce first, exactly for x >= 0 */
-                    uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f); /* p not finite: 0, not a NaN cast to int */
-                    u = as_f32(as_u32(u) & ~nan);
-                    float sv, cv;
-                    VSINCOSF(TWO_PI * u, sv, cv);
-                    q = p * p - va * cv;
-                    n = 2.0f * p + TWO_PI * va * sv;
-                }
+                separable_term(family, p, va, vb, vc, &q, &n);
                 acc[j] += q;
                 bad[j] |= !(fabsf(n) <= FLT_BIG);
                 badp[j] |= !(fabsf(p) <= FLT_BIG);
@@ -217,10 +198,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
         }
 #pragma omp simd
         for (int j = 0; j < CB; j++) {
-            float v = family == DOUBLE_WELL ? pa * acc[j]
-                    : family == HARMONIC    ? 0.5f * pa * acc[j]
-                    : family == RASTRIGIN   ? pa * (float)d + acc[j]
-                                            : 0.5f * acc[j];
+            float v = separable_energy(family, acc[j], pa, d);
             int32_t finite = !bad[j] & (fabsf(v) <= FLT_BIG);
             if (mala) { /* metropolis_hastings: a non-finite energy, gradient or log alpha is rejected */
                 float la = e[j] - v + quad[j] / (4.0f * h[j]);

@@ -144,4 +144,41 @@ static inline float vexpf(float x) {
     } while (0)
 
 
+/* The closed forms of the separable families at one element p: q, its term of the energy's sum, and
+ * n, the gradient there. va, vb, vc: the double well's (h, b, -), the harmonic's (k, -, -),
+ * Rastrigin's (a, -, -), or the diagonal Gaussian's mean, precision and its square root at this
+ * element. Inlined with a constant family, so the loops around it vectorise. */
+static inline __attribute__((always_inline)) void separable_term(const int family, float p, float va, float vb,
+                                                                 float vc, float *q, float *n) {
+    if (family == DOUBLE_WELL) { /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */
+        float r = p * p - vb * vb;
+        *q = r * r;
+        *n = 4.0f * va * p * r;
+    } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
+        *q = p * p;
+        *n = va * p;
+    } else if (family == GAUSSIAN) { /* diagonal: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
+        float delta = p - va, y = delta * vc;
+        *q = y * y;
+        *n = delta * vb;
+    } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
+        float u = p - floorf(p); /* cos and sin have period 1 in x: reduce first, exactly for x >= 0 */
+        uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f); /* p not finite: 0, not a NaN cast to int */
+        u = as_f32(as_u32(u) & ~nan);
+        float sv, cv;
+        VSINCOSF(TWO_PI * u, sv, cv);
+        *q = p * p - va * cv;
+        *n = 2.0f * p + TWO_PI * va * sv;
+    }
+}
+
+/* The energy from the sum of the separable terms (pa: h, k or a) */
+static inline __attribute__((always_inline)) float separable_energy(const int family, float acc, float pa,
+                                                                    int64_t d) {
+    return family == DOUBLE_WELL ? pa * acc
+         : family == HARMONIC    ? 0.5f * pa * acc
+         : family == RASTRIGIN   ? pa * (float)d + acc
+                                 : 0.5f * acc;
+}
+
 #endif

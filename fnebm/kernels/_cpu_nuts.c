@@ -79,33 +79,15 @@ static inline __attribute__((always_inline)) float energy_grad(const int family,
     const float pa = sc[0], pb = sc[1];
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < d; i++) {
-        const float p = x[i];
         float q, n;
-        if (family == DOUBLE_WELL) { /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */
-            float r = p * p - pb * pb;
-            q = r * r;
-            n = 4.0f * pa * p * r;
-        } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
-            q = p * p;
-            n = pa * p;
-        } else if (family == GAUSSIAN) { /* diagonal: vec = mean, precision, sqrt(precision) */
-            float delta = p - vec[i], y = delta * vec[2 * d + i];
-            q = y * y;
-            n = delta * vec[d + i];
-        } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
-            float u = p - floorf(p);
-            uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f);
-            u = as_f32(as_u32(u) & ~nan);
-            float sv, cv;
-            VSINCOSF(TWO_PI * u, sv, cv);
-            q = p * p - pa * cv;
-            n = 2.0f * p + TWO_PI * pa * sv;
-        }
+        if (family == GAUSSIAN) /* vec: mean, precision, sqrt(precision) */
+            separable_term(family, x[i], vec[i], vec[d + i], vec[2 * d + i], &q, &n);
+        else
+            separable_term(family, x[i], pa, pb, pb, &q, &n);
         acc += q;
         g[i] = n;
     }
-    return family == DOUBLE_WELL ? pa * acc : family == HARMONIC ? 0.5f * pa * acc
-         : family == RASTRIGIN   ? pa * (float)d + acc : 0.5f * acc;
+    return separable_energy(family, acc, pa, d);
 }
 
 /* energy_grad for the family given at run time: each case is its own vectorised copy */
@@ -125,16 +107,17 @@ static float energy_grad_any(int family, const float *restrict sc, const float *
     }
 }
 
-/* v = M^{-1} p: diagonal imm * p, or the dense imm's rows against p */
-static inline void velocity(float *restrict v, const float *restrict p, const float *restrict imm, int64_t d,
-                            int dense) {
+/* out = m in for a metric's matrix m: diagonal (d,) elementwise, or dense (d, d) row by row; the
+ * velocity M^{-1} p (m = imm) and the momentum draw's scaling of z (m = mfac) */
+static inline void apply_metric(float *restrict out, const float *restrict in, const float *restrict m, int64_t d,
+                                int dense) {
     if (dense) {
         for (int64_t r = 0; r < d; r++)
-            v[r] = dotf(imm + r * d, p, d);
+            out[r] = dotf(m + r * d, in, d);
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < d; i++)
-            v[i] = imm[i] * p[i];
+            out[i] = m[i] * in[i];
     }
 }
 
@@ -216,15 +199,8 @@ static void transition(const nuts_args_t *a, int64_t c, float *buf, const int fa
     memcpy(x, a->x_in + c * d, sizeof(float) * d);
     memcpy(g, a->g_in + c * d, sizeof(float) * d);
     normal_vec(tmp, s0, s1, d);
-    if (dense) {
-        for (int64_t r = 0; r < d; r++)
-            p[r] = dotf(mfac + r * d, tmp, d);
-    } else {
-#pragma omp simd
-        for (int64_t i = 0; i < d; i++)
-            p[i] = mfac[i] * tmp[i];
-    }
-    velocity(v, p, imm, d, dense);
+    apply_metric(p, tmp, mfac, d, dense); /* p = scale z, or L^{-T} z */
+    apply_metric(v, p, imm, d, dense);
     const float h0 = e0 + 0.5f * dotf(p, v, d);
     memcpy(xf, x, sizeof(float) * d);
     memcpy(pf, p, sizeof(float) * d);
@@ -279,14 +255,14 @@ static void transition(const nuts_args_t *a, int64_t c, float *buf, const int fa
                 for (int64_t q = 0; q < d; q++)
                     np[q] = np[q] - ce * ng[q];
             } else {
-                velocity(tmp2, np, imm, d, dense);
+                apply_metric(tmp2, np, imm, d, dense);
 #pragma omp simd
                 for (int64_t q = 0; q < d; q++)
                     nx[q] = nx[q] + ce * tmp2[q];
                 nu = energy_grad_any(family, a->scalars, a->vectors, d, nx, ng, tmp);
             }
         }
-        velocity(nv, np, imm, d, dense);
+        apply_metric(nv, np, imm, d, dense);
         const float nh = nu + 0.5f * dotf(np, nv, d);
         const int finite = fabsf(nh) <= FLT_BIG && all_finite(ng, d) && all_finite(nx, d);
         const float delta = finite ? h0 - nh : -INFINITY; /* the log weight exp(-(H - H0)) */
