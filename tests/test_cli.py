@@ -276,16 +276,21 @@ def test_auto_runs_a_covered_run_in_the_c_kernel_and_says_so(tmp_path, capsys):
                                rtol=1e-5, atol=1e-6)
 
 
+def _never_built(module, tmp_path, monkeypatch):
+    """A machine that never built the C kernel of ``module``: an empty cache folder, nothing loaded
+    in this process, and a terminal for the notice."""
+    if module.available() is not None:
+        pytest.skip(f"the C kernel is unavailable here: {module.available()}")
+    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
+    for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
+        monkeypatch.setattr(module.LIBRARY, name, value)
+    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+
+
 def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkeypatch, capsys):
     from fnebm.kernels import cpu_chain
 
-    if cpu_chain.available() is not None:
-        pytest.skip(f"the C kernel is unavailable here: {cpu_chain.available()}")
-    # a machine that never built it: an empty cache folder, nothing loaded in this process
-    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
-    for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
-        monkeypatch.setattr(cpu_chain.LIBRARY, name, value)
-    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    _never_built(cpu_chain, tmp_path, monkeypatch)
     argv = [a for a in EAGER if a != "--no-compile"]
     code, out, err = run(capsys, "sample", "--energy", "harmonic", *argv, "--out", tmp_path / "x.pt")
     assert code == 0 and err.startswith("fnebm: building the whole-chain C kernel") and err.count("\n") == 1
@@ -298,12 +303,7 @@ def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkey
 def test_a_first_build_of_the_nuts_kernel_is_announced_and_counted_in_the_warm_up(tmp_path, monkeypatch, capsys):
     from fnebm.kernels import cpu_nuts
 
-    if cpu_nuts.available() is not None:
-        pytest.skip(f"the C NUTS kernel is unavailable here: {cpu_nuts.available()}")
-    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
-    for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
-        monkeypatch.setattr(cpu_nuts.LIBRARY, name, value)
-    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    _never_built(cpu_nuts, tmp_path, monkeypatch)
     argv = ["--energy", "harmonic", "--sampler", "nuts", "--adapt", "20", *EAGER]
     code, out, err = run(capsys, "sample", *argv, "--out", tmp_path / "x.pt")
     assert code == 0 and err.startswith("fnebm: building the NUTS C kernel") and err.count("\n") == 1
