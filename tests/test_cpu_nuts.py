@@ -367,3 +367,23 @@ def test_window_adaptation_on_the_c_kernel_recovers_an_ill_conditioned_gaussian(
     eig = torch.linalg.eigvals(result.parameters["inverse_mass_matrix"].inverse_mass_matrix.double()
                                @ torch.linalg.inv(cov)).real
     assert float(eig.max() / eig.min()) < 1.5
+
+
+def test_threads_do_not_change_the_draws():
+    # each chain's transition is its own: any number of threads, any order, the same bits
+    energy = _energies(5)["gaussian full"]
+    alg = fnebm.nuts(energy, torch.linspace(0.1, 0.5, 40), backend="c")
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(28), (40, 5)))
+    keys = fr.split(fr.key(29), 40)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            new, info = alg.step(state, keys)
+            runs.append([*new, *info])
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
