@@ -117,15 +117,21 @@ def why_not_c(step: Any, chain: Any, collect: Callable) -> str | None:
     if x.device.type != "cpu":
         return f"the chains are on {x.device.type}, not the CPU (the C kernel runs on the CPU)"
     cc = _cpu_module()
-    reason = cc.covers(energy)
-    if reason is not None:
-        return reason
-    reason = _common(x, energy, state, chain, step_size, noise_scale, max_dim=None)
+    return _covered(cc, step, chain, energy, step_size, noise_scale, max_dim=None) or cc.available()
+
+
+def _covered(module: Any, step: Any, chain: Any, energy: Any, step_size: Any, noise_scale: Any,
+             max_dim: int | None) -> str | None:
+    """What both kernels check once the chains' device fits: the energy (``module.covers``), the
+    dtypes, shapes and tunables (:func:`_common`), and no gradient through the chain."""
+    state = chain.state
+    reason = module.covers(energy) or _common(state.position, energy, state, chain, step_size, noise_scale,
+                                              max_dim=max_dim)
     if reason is not None:
         return reason
     if needs_grad(step, state):
-        return "a gradient is taken through the chain (the kernel has no backward)"
-    return cc.available()
+        return "a gradient is taken through the chain (the kernels have no backward)"
+    return None
 
 
 def _common(x: Tensor, energy: Any, state: Any, chain: Any, step_size: Any, noise_scale: Any,
@@ -185,15 +191,7 @@ def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
         return "triton is not installed"
     if not lc.HAS_TRITON:  # pragma: no cover
         return "triton is not installed"
-    reason = lc.covers(energy)
-    if reason is not None:
-        return reason
-    reason = _common(x, energy, state, chain, step_size, noise_scale, max_dim=lc.MAX_DIM)
-    if reason is not None:
-        return reason
-    if needs_grad(step, state):
-        return "a gradient is taken through the chain (the kernels have no backward)"
-    return None
+    return _covered(lc, step, chain, energy, step_size, noise_scale, max_dim=lc.MAX_DIM)
 
 
 def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: int, collect: Callable,

@@ -27,7 +27,7 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm import random as fr
 
-__all__ = ["Metric", "Diagonal", "Dense", "InverseMassMatrix", "euclidean", "check_inverse_mass_matrix"]
+__all__ = ["Metric", "Diagonal", "Dense", "InverseMassMatrix", "euclidean", "resolve", "check_inverse_mass_matrix"]
 
 
 class Metric(NamedTuple):
@@ -57,8 +57,9 @@ torch.serialization.add_safe_globals([Diagonal, Dense])
 _FORMS = "(d,) or (*chains, d) diagonal, (d, d) or (*chains, d, d) dense"
 
 
-def _resolve(m: InverseMassMatrix, batch: tuple[int, ...], d: int) -> tuple[bool, Tensor]:
-    """``(dense, tensor)`` for positions ``(*batch, d)``; metadata only."""
+def resolve(m: InverseMassMatrix, batch: tuple[int, ...], d: int) -> tuple[bool, Tensor]:
+    """``(dense, tensor)`` of an inverse mass matrix for positions ``(*batch, d)``: whether it is dense, and
+    the tensor (shared or per chain); ``ValueError`` for a shape that fits neither. Metadata only."""
     if isinstance(m, (Diagonal, Dense)):
         dense, t = isinstance(m, Dense), m.inverse_mass_matrix
         event = (d, d) if dense else (d,)
@@ -89,7 +90,7 @@ def euclidean(inverse_mass_matrix: InverseMassMatrix, like: Tensor, n_batch: int
     """The metric for positions ``like: (*chains, d)`` with ``n_batch`` chain axes (dtype and device
     follow ``like``). A shared matrix needs no ``n_batch``; a per-chain one does."""
     batch, d = tuple(like.shape[:n_batch]), like.shape[-1]
-    dense, inv = _resolve(inverse_mass_matrix, batch, d)
+    dense, inv = resolve(inverse_mass_matrix, batch, d)
     inv = inv.to(dtype=like.dtype, device=like.device)
     if not dense:
         scale = inv.rsqrt()

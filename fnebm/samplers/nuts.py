@@ -79,8 +79,7 @@ from fnebm import _checks
 from fnebm import random as fr
 from fnebm._control import while_loop
 from fnebm.gradients import value_and_grad
-from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
-from fnebm.integrators.metrics import _resolve as resolve_inverse_mass_matrix
+from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean, resolve
 from fnebm.kernels import cpu_nuts
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
@@ -417,9 +416,8 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
         inverse_mass_matrix = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     if backend != "torch":
         fr.check_key(key)  # the C kernel reads the words as they are (the torch kernel checks them in split)
-        reason = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
+        reason, dense, imm = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
         if reason is None:
-            dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
             out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
                                      max_tree_depth=max_tree_depth, coefficients=integrator,
                                      divergence_threshold=divergence_threshold)
@@ -431,16 +429,16 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
 
 
 def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
-               integrator: tuple[float, ...]) -> str | None:
-    """``None`` when the C kernel runs this transition, else why not (metadata only; a shape the
-    torch kernel refuses is left for it to name)."""
+               integrator: tuple[float, ...]) -> tuple[str | None, bool, Tensor | None]:
+    """``(reason, dense, inverse_mass_matrix tensor)``: ``reason`` is ``None`` when the C kernel runs this
+    transition, else why not (metadata only; a shape the torch kernel refuses is left for it to name)."""
     x = state.position
     if not isinstance(x, Tensor) or not isinstance(key, Tensor) or x.device.type != "cpu":
-        return "the chains are not on the CPU (the C kernel runs on the CPU)"
+        return "the chains are not on the CPU (the C kernel runs on the CPU)", False, None
     if not isinstance(state, NUTSState):
-        return f"the state is a {type(state).__name__}, not a NUTSState"
+        return f"the state is a {type(state).__name__}, not a NUTSState", False, None
     try:
-        dense, imm = resolve_inverse_mass_matrix(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
+        dense, imm = resolve(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
     except ValueError as exc:
-        return str(exc)
-    return cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator)
+        return str(exc), False, None
+    return cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator), dense, imm
