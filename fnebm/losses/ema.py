@@ -17,7 +17,9 @@ def ema_update(ema_params: Any, params: Any, decay: float | Tensor) -> Any:
     """``decay * ema + (1 - decay) * params``, leaf by leaf: a new pytree, the inputs untouched.
 
     ema_params, params: pytrees of the same structure (dicts of tensors, energies, fields);
-    decay: a number or 0-dim tensor in ``[0, 1]`` (a tensor: a new value recompiles nothing).
+    decay: a number or a tensor of one value (shape ``()`` or ``(1,)``) in ``[0, 1]``; a tensor's new
+    value recompiles nothing (under ``torch.compile`` give ``(1,)``: Dynamo reads a 0-dim CPU input
+    as a Python number and restarts its analysis once).
     No gradient flows into the average (``params`` is detached). Start with
     ``ema = torch.utils._pytree.tree_map(torch.clone, params)``.
     """
@@ -29,8 +31,9 @@ def ema_update(ema_params: Any, params: Any, decay: float | Tensor) -> Any:
         if isinstance(e, Tensor) != isinstance(p, Tensor) or (isinstance(e, Tensor) and e.shape != p.shape):
             raise ValueError("ema_params and params must hold tensors of the same shapes, leaf by leaf")
     if isinstance(decay, Tensor):
-        if decay.ndim != 0 or not decay.is_floating_point():
-            raise ValueError(f"decay must be a 0-dim floating tensor, got shape {tuple(decay.shape)}, {decay.dtype}")
+        if decay.numel() != 1 or decay.ndim > 1 or not decay.is_floating_point():
+            raise ValueError(f"decay must be a floating tensor of one value, shape () or (1,), got shape "
+                             f"{tuple(decay.shape)}, {decay.dtype}")
         if _checks.is_concrete(decay) and not bool((decay >= 0) & (decay <= 1)):
             raise ValueError("decay must be in [0, 1]")
     else:
