@@ -69,6 +69,23 @@ def test_flow_matching_equals_the_hand_written_loss(pair):
     torch.testing.assert_close(neg, ((pred + (x1 - x0)) ** 2).mean())
 
 
+def test_a_batched_field_gives_the_per_sample_loss(pair):
+    x0, x1, t = pair
+    p = params()
+
+    def batch_fn(p, x, t):
+        return torch.tanh(torch.cat([x, t[:, None]], 1) @ p["w0"] + p["b0"]) @ p["w1"]
+
+    a, _ = L.flow_matching(L.bind_field(field_xt, p), x1, fr.key(0), x0=x0, time=fixed(t))
+    b, _ = L.flow_matching(L.bind_field(batch_fn, p, batched=True), x1, fr.key(0), x0=x0, time=fixed(t))
+    torch.testing.assert_close(a, b)
+    pf = params(din=D)
+    a, _ = L.equilibrium_matching(L.bind_field(field_x, pf), x1, fr.key(0), x0=x0, time=fixed(t))
+    b, _ = L.equilibrium_matching(L.bind_field(lambda p, x: torch.tanh(x @ p["w0"] + p["b0"]) @ p["w1"], pf,
+                                               batched=True), x1, fr.key(0), x0=x0, time=fixed(t))
+    torch.testing.assert_close(a, b)
+
+
 def test_flow_matching_with_ot_coupling_uses_the_coupled_pairs(pair):
     x0, x1, t = pair
     p = params()

@@ -28,13 +28,17 @@ __all__ = ["BoundField", "bind_field", "uniform_time", "logit_normal_time", "mea
 
 @dataclass(frozen=True, eq=False)
 class BoundField:
-    """``field_fn`` with ``params`` fixed: ``f(x, *args) = field_fn(params, x, *args)`` for one sample.
+    """``field_fn`` with ``params`` fixed: ``f(x, *args) = field_fn(params, x, *args)``.
 
-    A pytree: its leaves are those of ``params``; ``field_fn`` is the context.
+    For one sample, or, with ``batched=True``, for a whole batch in one call (``x: (n, *event)``,
+    ``t: (n,)``): the losses then call it once instead of mapping it with ``vmap``, which lets a
+    network use its fused batch kernels (``addmm``). A pytree: its leaves are those of
+    ``params``; ``field_fn`` and ``batched`` are the context.
     """
 
     field_fn: Callable[..., Tensor]
     params: Any
+    batched: bool = False
 
     def __call__(self, x: Tensor, *args: Tensor) -> Tensor:
         return self.field_fn(self.params, x, *args)
@@ -42,16 +46,22 @@ class BoundField:
 
 pytree.register_pytree_node(
     BoundField,
-    lambda f: ([f.params], f.field_fn),
-    lambda children, field_fn: BoundField(field_fn, children[0]),
-    flatten_with_keys_fn=lambda f: ([(pytree.GetAttrKey("params"), f.params)], f.field_fn),
+    lambda f: ([f.params], (f.field_fn, f.batched)),
+    lambda children, context: BoundField(context[0], children[0], context[1]),
+    flatten_with_keys_fn=lambda f: ([(pytree.GetAttrKey("params"), f.params)], (f.field_fn, f.batched)),
 )
 
 
-def bind_field(field_fn: Callable[..., Tensor], params: Any) -> BoundField:
-    """Fix ``params`` of ``field_fn(params, x, t)`` (or ``field_fn(params, x)``): a field for the losses."""
+def bind_field(field_fn: Callable[..., Tensor], params: Any, *, batched: bool = False) -> BoundField:
+    """Fix ``params`` of ``field_fn(params, x, t)`` (or ``field_fn(params, x)``): a field for the losses.
+
+    ``batched=True``: ``field_fn`` takes a whole batch, ``x: (n, *event)``, ``t: (n,)``, and returns
+    ``(n, *event)``, and must treat the samples independently (as ``vmap`` would).
+    """
     _checks.check_callable("field_fn", field_fn, "(params, x, t) -> v for one sample")
-    return BoundField(field_fn, params)
+    if not isinstance(batched, bool):
+        raise TypeError(f"batched must be a bool, got {type(batched).__name__}")
+    return BoundField(field_fn, params, batched)
 
 
 def mean_flat(x: Tensor) -> Tensor:
@@ -63,9 +73,17 @@ def _call(f: Callable, *args: Tensor) -> Tensor:
     return f(*args)
 
 
+def _is_batched(f: Any) -> bool:
+    while isinstance(f, functools.partial):
+        f = f.args[0] if f.func is _autocast_call else f.func
+    return isinstance(f, BoundField) and f.batched
+
+
 def batched(f: Callable) -> Callable:
     """``f`` of one sample mapped over the leading axis of every argument (``vmap`` of a partial:
-    see :func:`fnebm.losses._common.batched`)."""
+    see :func:`fnebm.losses._common.batched`); ``f`` itself for a ``bind_field(..., batched=True)``."""
+    if _is_batched(f):
+        return f
     return torch.func.vmap(functools.partial(_call, f))
 
 

@@ -140,7 +140,8 @@ def equilibrium_matching(
         if time_conditioned:
             f = _generative.batched(field)(xt, t)
         else:
-            f = _generative.batched(functools.partial(_time_free, field))(xt, t)
+            f = (field(xt) if _generative._is_batched(field) else
+                 _generative.batched(functools.partial(_time_free, field))(xt, t))
         energy = xt.new_zeros(0)
     per = _generative.mean_flat((f - target) ** 2)
     return per.mean(), EqMAux(per.detach(), t.detach(), energy)
