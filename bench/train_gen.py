@@ -18,6 +18,10 @@ in one process after a warm-up, and the median of the per-pair time ratios Torch
   module's parameters bound as a batched field (``bind_field(mlp_batch, params, batched=True)``),
   ``loss.backward()``;
 - ``fnebm-vmap``: the same with the per-sample field (``bind_field(mlp, params)``), mapped by ``vmap``;
+- ``fnebm-bf16`` / ``fnebm-bf16-compiled``: ``fnebm-eager`` / ``-compiled`` with ``autocast=torch.bfloat16``
+  (the field's forward, hence its GEMMs forward and backward, in bfloat16; the loss in float32).
+  Opt-in: TorchEBM 0.8.9 refuses mixed precision off CUDA (``setup_mixed_precision`` falls back
+  to float32 with a warning), so its step stays float32 on a CPU;
 - ``fnebm-compiled``: the same loss under ``torch.compile(fullgraph=True)`` (Inductor; the
   backward is AOTAutograd's compiled one).
 
@@ -95,11 +99,11 @@ def mlp_batch(p: dict, x: torch.Tensor, *t: torch.Tensor) -> torch.Tensor:
 
 
 def fnebm_loss(objective: str, params: dict, batch: torch.Tensor, key: torch.Tensor,
-               per_sample: bool = False) -> torch.Tensor:
+               per_sample: bool = False, autocast: torch.dtype | None = None) -> torch.Tensor:
     field = L.bind_field(mlp, params) if per_sample else L.bind_field(mlp_batch, params, batched=True)
     if objective == "fm":
-        return L.flow_matching(field, batch, key)[0]
-    return L.equilibrium_matching(field, batch, key)[0]
+        return L.flow_matching(field, batch, key, autocast=autocast)[0]
+    return L.equilibrium_matching(field, batch, key, autocast=autocast)[0]
 
 
 def torchebm_loss(objective: str, net: torch.nn.Module):
@@ -121,6 +125,11 @@ class Trainer:
             self.loss = torchebm_loss(objective, self.net)
         elif impl == "fnebm-compiled":
             self.loss = torch.compile(functools.partial(fnebm_loss, objective), fullgraph=True)
+        elif impl == "fnebm-bf16":
+            self.loss = functools.partial(fnebm_loss, objective, autocast=torch.bfloat16)
+        elif impl == "fnebm-bf16-compiled":
+            self.loss = torch.compile(functools.partial(fnebm_loss, objective, autocast=torch.bfloat16),
+                                      fullgraph=True)
         elif impl == "fnebm-vmap":
             self.loss = functools.partial(fnebm_loss, objective, per_sample=True)
         else:
@@ -147,7 +156,7 @@ def batches(n: int, batch: int, seed: int = 1):
 
 
 def speed(args) -> dict:
-    impls = ["torchebm", "fnebm-eager", "fnebm-compiled", "fnebm-vmap"]
+    impls = args.impls.split(",")
     out: dict = {}
     data = batches(args.pairs + args.warmup, args.batch)
     for objective in ("fm", "eqm"):
@@ -170,7 +179,7 @@ def speed(args) -> dict:
                 trainers[name].step(b, k, gens)
                 times[name].append(time.perf_counter() - t0)
         res = {"first_call_s": first, "median_ms": {n: 1e3 * statistics.median(v) for n, v in times.items()}}
-        for name in impls[1:]:
+        for name in impls[1:]:  # torchebm first
             ratios = [a / b for a, b in zip(times["torchebm"], times[name])]
             q = statistics.quantiles(ratios, n=4)
             res[f"speedup_{name}"] = {"median": statistics.median(ratios), "q1": q[0], "q3": q[2]}
@@ -200,7 +209,8 @@ def processes(args) -> dict:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
         for objective in ("fm", "eqm"):
             for impl, runs in (("torchebm", ("fresh",)), ("fnebm-eager", ("fresh",)),
-                               ("fnebm-compiled", ("cold", "second_process"))):
+                               ("fnebm-compiled", ("cold", "second_process")), ("fnebm-bf16", ("fresh",)),
+                               ("fnebm-bf16-compiled", ("cold", "second_process"))):
                 for run in runs:
                     cmd = [sys.executable, __file__, "first", "--objective", objective, "--impl", impl,
                            "--batch", str(args.batch), "--hidden", str(args.hidden), "--threads", str(args.threads)]
@@ -248,7 +258,7 @@ def quality(args) -> dict:
     data = datasets.get("eight_gaussians")(fr.key(12345), 2000, torch.float64)
     out: dict = {}
     for objective in ("fm", "eqm"):
-        rows = {"torchebm": [], "fnebm-eager": []}
+        rows = {name: [] for name in args.impls.split(",")}
         for seed in range(args.seeds):
             net = make_net(3 if objective == "fm" else 2, args.hidden, seed)
             train = batches(args.steps, args.batch, seed=100 + seed)
@@ -286,9 +296,14 @@ def main() -> None:
     p.add_argument("--objective", default="fm")
     p.add_argument("--impl", default="fnebm-compiled")
     p.add_argument("--no-processes", action="store_true", help="speed: skip the fresh-process first-call runs")
+    p.add_argument("--impls", default=None, help="comma-separated, torchebm first (default: speed: torchebm,"
+                   "fnebm-eager,fnebm-compiled,fnebm-vmap,fnebm-bf16,fnebm-bf16-compiled; quality: torchebm,fnebm-eager)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.impls is None:
+        args.impls = ("torchebm,fnebm-eager,fnebm-compiled,fnebm-vmap,fnebm-bf16,fnebm-bf16-compiled"
+                      if args.what == "speed" else "torchebm,fnebm-eager")
     if args.what == "first":
         first_call(args)
         return
@@ -305,7 +320,9 @@ def main() -> None:
     meta["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
     if args.json:
         old = json.load(open(args.json)) if os.path.exists(args.json) else {}
-        old[args.what] = result
+        default = args.impls == ("torchebm,fnebm-eager,fnebm-compiled,fnebm-vmap,fnebm-bf16,fnebm-bf16-compiled"
+                                 if args.what == "speed" else "torchebm,fnebm-eager")
+        old[args.what if default else f"{args.what}:{args.impls}"] = result
         with open(args.json, "w") as f:
             json.dump(old, f, indent=1)
 
