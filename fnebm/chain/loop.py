@@ -85,7 +85,11 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
         info = [x.to(torch.uint8) if b else x for x, b in zip(pytree.tree_leaves(info), flags)]
         return tuple(pytree.tree_leaves(new)), (tuple(pytree.tree_leaves(kept)), tuple(info))
 
-    carry, (kept, info) = scan(flat_body, tuple(pytree.tree_leaves(state)), ts)
+    # the scan's first carry is a copy made inside the graph: torch's scan refuses a carry that
+    # shares memory with another of its inputs ("scan might be aliasing the input or the output!"),
+    # and a state's fields often do (an eager NUTS step returns its position and gradient as views
+    # of one stacked tensor; Inductor may return them as slices of one buffer)
+    carry, (kept, info) = scan(flat_body, tuple(x.clone() for x in pytree.tree_leaves(state)), ts)
     info = tuple(x.view(torch.bool) if b else x for x, b in zip(info, flags))
     return tuple(pytree.tree_unflatten(list(x), spec) for x, spec in zip((carry, kept, info), specs))
 
