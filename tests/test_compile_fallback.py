@@ -203,3 +203,19 @@ def test_window_adaptation_falls_back_when_its_compile_fails():
     assert torch.equal(got.state.position, eager.state.position)
     assert torch.equal(got.parameters["step_size"], eager.parameters["step_size"])
     assert torch.equal(got.info.acceptance_rate, eager.info.acceptance_rate)
+
+
+def test_the_command_line_reports_the_fallback_as_the_path_of_its_call():
+    # fnebm sample's summary: a revised plan replaces its call's first plan, and the path says why
+    from types import SimpleNamespace
+
+    from fnebm.cli.sample import _Calls
+    from fnebm.chain import RunPlan
+
+    calls = _Calls(SimpleNamespace(progress=False, compile=True), 10)
+    first = RunPlan(True, True, "compile=True", None, 20.0, 10)
+    calls.on_plan(first)
+    calls.on_plan(first._replace(compiled=False, compiles=False, reason="eager from step 0: ...",
+                                 fallback="BackendCompilerFailed: boom", revised=True))
+    assert len(calls.plans) == 1
+    assert calls.path(0) == (False, "the compile failed (BackendCompilerFailed: boom), so the steps ran eagerly")
