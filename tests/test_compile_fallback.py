@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fnebm
 from fnebm import random as fr
+from fnebm._control import while_loop
 from fnebm.chain import CompileFallbackWarning
 
 # ------------------------------------------------------------------ the item-response posterior
@@ -71,13 +72,22 @@ class Walk(NamedTuple):
     double: torch.Tensor
 
 
-def _walk(state, keys):  # a cheap step to trace: a Gaussian random walk carrying two fields
-    x = state.position + 0.1 * fr.normal(keys, (3,), state.position.dtype)
-    return Walk(x, 2.0 * x), x[..., 0]
+def _walk(state, keys):
+    """A cheap step to trace: a Gaussian random walk carrying two fields, through a while_loop
+    whose carry starts from the state (as HMC's trajectory with lengths as data does)."""
+    noise = 0.1 * fr.normal(keys, (3,), state.position.dtype)
+
+    def body(i, x, double):
+        return i + 1, x + noise, 2.0 * x
+
+    _, x, double = while_loop(lambda i, x, double: i < 2, body,
+                              (torch.zeros((), dtype=torch.int64), state.position, state.double))
+    return Walk(x, double), x[..., 0]
 
 
 def test_chain_run_compiles_a_carry_whose_fields_share_memory():
-    # fnebm.chain.run inside your own compiled function: the scan's first carry is copied in the graph
+    # fnebm.chain.run inside your own compiled function: the state is copied in the graph before
+    # the scan's carry and the traced step's while_loop see it
     both = torch.zeros(2, 5, 3)
     state = Walk(both[0], both[1])  # two fields, one storage
     run = torch.compile(lambda s, k: fnebm.chain.run(_walk, s, k, 3), fullgraph=True, backend="aot_eager")

@@ -70,6 +70,11 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
             outs.append(out)
         kept, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
         return state, kept, info
+    # the state is copied inside the graph first: torch's scan and while_loop refuse a carry that
+    # shares memory with another of their inputs ("scan might be aliasing the input or the
+    # output!"), and a state's fields often do (an eager NUTS step returns its position and
+    # gradient as views of one stacked tensor; Inductor may return them as slices of one buffer)
+    state = pytree.tree_map(torch.clone, state)
     # scan carries and emits flat tuples of tensors only: learn the trees' structures from one
     # traced step first (pure, unused: the compiler drops it)
     probe, probe_info = step(state, fr.fold_in(keys, ts[0]))
@@ -85,11 +90,7 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
         info = [x.to(torch.uint8) if b else x for x, b in zip(pytree.tree_leaves(info), flags)]
         return tuple(pytree.tree_leaves(new)), (tuple(pytree.tree_leaves(kept)), tuple(info))
 
-    # the scan's first carry is a copy made inside the graph: torch's scan refuses a carry that
-    # shares memory with another of its inputs ("scan might be aliasing the input or the output!"),
-    # and a state's fields often do (an eager NUTS step returns its position and gradient as views
-    # of one stacked tensor; Inductor may return them as slices of one buffer)
-    carry, (kept, info) = scan(flat_body, tuple(x.clone() for x in pytree.tree_leaves(state)), ts)
+    carry, (kept, info) = scan(flat_body, tuple(pytree.tree_leaves(state)), ts)
     info = tuple(x.view(torch.bool) if b else x for x, b in zip(info, flags))
     return tuple(pytree.tree_unflatten(list(x), spec) for x, spec in zip((carry, kept, info), specs))
 
