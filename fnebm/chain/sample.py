@@ -21,8 +21,7 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm import random as fr
 from fnebm.chain.backend import compile_setting, kernel_runner
-from fnebm.chain.loop import position
-from fnebm.chain.loop import loop
+from fnebm.chain.loop import loop, position
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache, describe_failure
 from fnebm.chain.schedule import chunks, kept_in
 
