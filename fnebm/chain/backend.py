@@ -46,7 +46,8 @@ from fnebm.chain.schedule import chunks, kept_in
 _langevin = importlib.import_module("fnebm.samplers.langevin")
 _mala = importlib.import_module("fnebm.samplers.mala")
 
-__all__ = ["BACKENDS", "check_backend", "compile_setting", "kernel_runner", "why_not"]
+__all__ = ["BACKENDS", "UNAVAILABLE", "check_backend", "compile_setting", "kernel_runner", "unavailable_kernel",
+           "why_not"]
 
 BACKENDS = ("auto", "triton", "c", "compiled", "eager")
 
@@ -192,6 +193,41 @@ def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
     if not lc.HAS_TRITON:  # pragma: no cover
         return "triton is not installed"
     return _covered(lc, step, chain, energy, step_size, noise_scale, max_dim=lc.MAX_DIM)
+
+
+UNAVAILABLE = "covers this run but could not be used"  # in the note of unavailable_kernel
+
+
+def unavailable_kernel(step: Any, chain: Any, collect: Callable, backend: str, compile: Any) -> str | None:
+    """A note for ``on_plan`` when a C kernel covers this CPU run under ``backend="auto"`` but its
+    library did not build or load (no compiler, a failed build, a damaged cache that could not be
+    rebuilt): ``"the C kernel covers this run but could not be used (why)"``; else ``None``.
+
+    The whole-chain kernel (Langevin, MALA; not under ``compile=False``) and the NUTS kernel,
+    which a ``fnebm.nuts(...).step`` takes by itself, are checked. It asks the library only where
+    everything else fits, after :func:`kernel_runner` has (no second build is tried)."""
+    if backend != "auto" or chain.keys.device.type != "cpu":
+        return None
+    nuts = importlib.import_module("fnebm.samplers.nuts")
+    if (isinstance(step, functools.partial) and step.func is nuts._step and step.keywords.get("backend") == "auto"
+            and type(chain.state) is nuts.NUTSState):
+        x = chain.state.position
+        energy = step.keywords.get("energy_fn")
+        if _cpu_module().covers(energy) is not None or x.dtype != torch.float32 or energy.dtype != x.dtype:
+            return None
+        why = importlib.import_module("fnebm.kernels.cpu_nuts").available()
+        return None if why is None else f"the NUTS C kernel {UNAVAILABLE} ({why}); the torch kernel ran"
+    if compile is False:
+        return None
+    found = _sampler_and_state(step, chain)
+    if isinstance(found, str) or (collect is not position and collect is not position_and_energy):
+        return None
+    _, energy, step_size, noise_scale = found
+    cc = _cpu_module()
+    if _covered(cc, step, chain, energy, step_size, noise_scale, max_dim=None) is not None:
+        return None
+    why = cc.available()
+    return None if why is None else f"the C kernel {UNAVAILABLE} ({why})"
 
 
 def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: int, collect: Callable,

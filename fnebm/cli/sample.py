@@ -19,6 +19,7 @@ import fnebm
 from fnebm import diagnostics
 from fnebm import distributed as fdist
 from fnebm import random as fr
+from fnebm.chain.backend import UNAVAILABLE
 from fnebm.cli._common import (Launch, UsageError, _destination, _device, _float_or_none, _fmt, _sync, agree,
                                available_memory, compile_cache_dir, compile_times, format_bytes,
                                record_compile_time, run_launched, write_outputs)
@@ -393,7 +394,9 @@ class _Calls:
         ramp = [p for p in self.plans[:main] if p is not None and p.compiled != plan.compiled]
         if ramp:
             why += f"; {sum(p.steps for p in ramp)} burn-in steps ran {'compiled' if ramp[0].compiled else 'eagerly'}"
-        return plan.compiled, why
+        # a C kernel that covers the run but did not build or load: say why, whatever the branch above
+        notes = [n for n in plan.reason.split("; ") if UNAVAILABLE in n and n not in why]
+        return plan.compiled, "; ".join([why, *notes])
 
 
 def _kernel_build_notice(cfg: Config, target: Any) -> None:
