@@ -224,6 +224,8 @@ def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
         "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, compile=False, on_plan=plans.append)\n"
         "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, on_plan=plans.append)\n"
         "assert not plans[-1].kernel, plans\n"
+        "assert 'the C kernel covers this run but could not be used (no C compiler found' in plans[-1].reason\n"
+        "assert 'C kernel' not in plans[0].reason  # compile=False: the kernel would not run anyway\n"
         "try:\n"
         "    fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend='c', progress=False)\n"
         "except ValueError as exc:\n"
@@ -242,10 +244,12 @@ def test_the_library_is_built_once_and_then_loaded(tmp_path):
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     built = sorted(p for p in tmp_path.iterdir() if p.suffix != ".lock")  # the build's lock file stays
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    # the library and its checksum record; no temporary file left behind
+    assert [p.suffix for p in built] == [".so", ".sha256"] and built[1].name == built[0].name + ".sha256"
     stamp = built[0].stat().st_mtime_ns
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0 and second.stdout == first.stdout
+    second = subprocess.run([sys.executable, "-c", code + "; print(cpu_chain.build_seconds())"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.splitlines() == [first.stdout.strip(), "0.0"]
     assert built[0].stat().st_mtime_ns == stamp
 
 
