@@ -167,3 +167,20 @@ def test_check_reads_the_record(tmp_path):
     assert "SHA-256" in _cbuild.check(library)
     os.truncate(library, 10)
     assert "10 bytes" in _cbuild.check(library)
+
+
+def test_the_package_data_ships_every_file_the_kernels_build_from():
+    # a wheel without one of them cannot build the kernels (.ci/wheel_check.sh checks a real wheel)
+    import fnmatch
+    import tomllib
+
+    from fnebm.kernels import cpu_chain, cpu_nuts
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fnebm"]
+    package = root / "fnebm"
+    for library in (cpu_chain.LIBRARY, cpu_nuts.LIBRARY):
+        for f in {*library.files, *(src for src, _ in library.objects)}:
+            rel = f.resolve().relative_to(package).as_posix()
+            assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in the package data {globs}"
+

@@ -199,7 +199,11 @@ class CLibrary:
             version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
-        parts = [f.read_bytes() for f in self.files]
+        try:
+            parts = [f.read_bytes() for f in self.files]
+        except OSError as exc:  # e.g. a package that did not ship one of them
+            raise RuntimeError(f"cannot read {exc.filename}, which the C kernel builds from (an incomplete "
+                               f"installation of fnebm?): {exc.strerror}") from None
         parts += [repr([(s.name, d) for s, d in self.objects]).encode(), " ".join(cc[1:] + list(FLAGS)).encode(),
                   version.encode(), _cpu_id().encode(), torch.__version__.encode(), _FORMAT]
         digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
