@@ -191,6 +191,68 @@ def test_chunks_continuations_and_out_buffers_are_exact():
     assert torch.equal(bufs[1].is_divergent, info.is_divergent)
 
 
+def test_launches_cut_by_time_give_the_same_draws(monkeypatch):
+    # the C kernel's launches are cut to about be._SLICE_S each (so that Ctrl-C is seen): any cut,
+    # within a burn-in, across kept steps, gives the bits of one launch
+    alg = fnebm.mala(energies.harmonic(2.0), 0.2)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (40, 3)))
+    kw = dict(burn_in=13, thin=3, backend="c", progress=False, collect=fnebm.chain.position_and_energy)
+    whole = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw)
+    monkeypatch.setattr(be, "_FIRST_SLICE_ELEMENTS", 200)  # a first launch of 1 step, then 4x, 16x, ...
+    monkeypatch.setattr(be, "_SLICE_S", 1e-9)  # ... or as the rate says: 1 step each
+    seen = []
+    cut = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, on_chunk=lambda d, t, s: seen.append(d))
+    assert seen == list(range(1, 74)) and torch.equal(cut[1][0], whole[1][0]) and torch.equal(cut[1][1], whole[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(cut[2], whole[2]))
+    assert torch.equal(cut[0].state.position, whole[0].state.position)
+    monkeypatch.setattr(be, "_SLICE_S", 1e9)
+    seen.clear()
+    grown = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, chunk_size=20, on_chunk=lambda d, t, s: seen.append(d))
+    assert seen == [1, 5, 21, 41, 61, 73] and torch.equal(grown[1][0], whole[1][0])  # 4x each, at most chunk_size
+
+
+def test_the_next_launch_is_sized_by_the_measured_rate():
+    assert be._next_slice(100, be._SLICE_S / 2, 10**9) == 200
+    assert be._next_slice(100, be._SLICE_S * 10, 10**9) == 10
+    assert be._next_slice(100, 0.0, 10**9) == 400 and be._next_slice(100, 1e-9, 10**9) == 400  # at most 4x
+    assert be._next_slice(100, 1e-9, 150) == 150 and be._next_slice(1, 1e3, 10) == 1
+    assert be._first_slice(torch.zeros(4000, 10)) == (1 << 21) // 40000
+
+
+def test_ctrl_c_stops_a_long_c_kernel_run_promptly_and_keeps_earlier_outputs(tmp_path):
+    # fnebm sample on a run of about ten minutes in the C kernel, interrupted a second after the
+    # kernel's library is mapped (the run starts then): one line and exit 130 while the launch
+    # in progress ends (about be._SLICE_S), not when a twentieth of the run has (minutes)
+    import select
+    import signal
+    import time
+
+    out = tmp_path / "draws.pt"
+    out.write_bytes(b"an earlier run's draws")
+    cmd = [sys.executable, "-m", "fnebm", "sample", "--energy", "gaussian", "--dim", "10", "--sampler", "mala",
+           "--chains", "4000", "--steps", "2000000", "--thin", "2000000", "--burn-in", "0", "--no-progress",
+           "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "cpu_chain-" not in open(f"/proc/{p.pid}/maps").read():
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() else "no start"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        ready, _, _ = select.select([p.stderr], [], [], 5.0)  # the line, within seconds of Ctrl-C
+        assert ready, "no line on stderr within 5 s of SIGINT"
+        assert p.stderr.readline() == "fnebm: interrupted\n"
+        assert p.wait(timeout=120) == 130
+        assert p.stderr.read() == "" and p.stdout.read() == ""
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert out.read_bytes() == b"an earlier run's draws"  # docs/cli.md: writes are atomic
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["draws.pt"]
+
+
 @pytest.mark.parametrize("case, match", [
     ("wrapped", "fnebm.langevin"),
     ("float64", "float32"),

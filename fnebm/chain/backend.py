@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fnebm.chain.loop import needs_grad, position, position_and_energy
-from fnebm.chain.schedule import chunks, kept_in
+from fnebm.chain.schedule import kept_in
 # fnebm.samplers exports the constructors langevin and mala, which hide these modules' names
 _langevin = importlib.import_module("fnebm.samplers.langevin")
 _mala = importlib.import_module("fnebm.samplers.mala")
@@ -326,19 +326,31 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
 
         bar = tqdm(total=total, unit="step", desc=f"sampling ({engine})", file=sys.stderr)
     e, g = state.energy, state.grad
+    # The C kernel's launches are also cut by time (_SLICE_S each): Python raises a Ctrl-C's
+    # KeyboardInterrupt only once a ctypes call returns, so a launch's length bounds the wait.
+    # Any cut gives the same draws (step t's key is fold_in(key, t) wherever a launch starts).
+    timed = engine == "c"
+    size = min(chunk_size, _first_slice(x)) if timed else max(chunk_size, 2)
+    a = 0
     try:
-        for a, b in chunks(total, chunk_size):
+        while a < total:
+            b = min(total, a + size)
+            if total - b == 1 and not timed:  # as fnebm.chain.schedule.chunks: no lone last step
+                b = total
             t0 = time.perf_counter()
             k = kept_in(a, b, burn_in, thin, n_kept)
             first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
             x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
                                   n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0, **more)
+            if timed:
+                size = _next_slice(b - a, time.perf_counter() - t0, chunk_size)
             if on_chunk is not None:
                 if x.device.type != "cpu":
                     torch.accelerator.synchronize(x.device)
                 on_chunk(b, total, time.perf_counter() - t0)
             if bar is not None:
                 bar.update(b - a)
+            a = b
     finally:
         if bar is not None:
             bar.close()
@@ -348,6 +360,22 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
         trace, info = copy_to
     final = type(state)(x, e, g)
     return ChainState(final, keys, chain.steps_taken + total), trace, info
+
+
+_SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C is seen)
+_FIRST_SLICE_ELEMENTS = 1 << 21  # the first launch's steps x chains x elements: milliseconds
+
+
+def _first_slice(x: Tensor) -> int:
+    """The first launch's steps, before a rate is measured: a few milliseconds' work."""
+    return max(1, _FIRST_SLICE_ELEMENTS // max(1, x.numel()))
+
+
+def _next_slice(steps: int, seconds: float, limit: int) -> int:
+    """The next launch's steps: about ``_SLICE_S`` at the rate just measured, at most 4x the last
+    (one fast launch on a noisy machine does not make the next one long) and at most ``limit``."""
+    fit = int(_SLICE_S * steps / seconds) if seconds > 0 else 4 * steps
+    return max(1, min(limit, 4 * steps, fit))
 
 
 def _per_chain(value: Tensor, x: Tensor, chains: tuple[int, ...]) -> Tensor:
