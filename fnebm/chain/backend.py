@@ -16,7 +16,7 @@ A kernel serves a run only when it computes exactly what the run asks for:
 
 The C kernel (:mod:`fnebm.kernels.cpu_chain`) serves the same runs on a CPU, for Langevin and
 MALA on a double well, harmonic, Rastrigin or Gaussian energy (diagonal or full), once the system C
-compiler has built it (about 1.5 s, cached on disk).
+compiler has built it (once per machine, cached on disk; build times in docs/performance.md).
 
 ``"auto"`` takes the Triton kernel on a CUDA device and the C kernel on the CPU when all of that
 holds — on the CPU only when ``compile`` is not ``False``, which asks for the eager steps — and

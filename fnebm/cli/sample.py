@@ -401,7 +401,7 @@ class _Calls:
 
 def _kernel_build_notice(cfg: Config, target: Any) -> None:
     """On a terminal, one line before the C kernel is compiled for this run (its first use on this
-    machine, about 1.5 s), as before a torch.compile."""
+    machine), as before a torch.compile."""
     if not _tty() or cfg.compile is True or cfg.sampler not in ("langevin", "mala", "nuts") or cfg.rank != 0:
         return
     if cfg.compile is False and cfg.sampler != "nuts":  # --no-compile: Langevin and MALA run their eager steps
@@ -413,10 +413,10 @@ def _kernel_build_notice(cfg: Config, target: Any) -> None:
     if cpu_chain.covers(target) is not None:
         return
     if cfg.sampler == "nuts" and not cpu_nuts.built():
-        print("fnebm: building the NUTS C kernel with the system C compiler: about 1 s, once on this machine "
+        print("fnebm: building the NUTS C kernel with the system C compiler: a few seconds, once on this machine "
               "(cached on disk)", file=sys.stderr, flush=True)
     elif cfg.sampler != "nuts" and not cpu_chain.built():
-        print("fnebm: building the whole-chain C kernel with the system C compiler: about 1.5 s, once on this "
+        print("fnebm: building the whole-chain C kernel with the system C compiler: a few seconds, once on this "
               "machine (cached on disk)", file=sys.stderr, flush=True)
 
 

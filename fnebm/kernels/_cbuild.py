@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 # -O2: as fast as -O3 here (the loops that matter are `omp simd`, vectorised either way; W1 27.6 vs
-# 28.2 ms, W3 38.4 vs 39.5 ms) and half the build (1.4 s against 3.0 s on 2 cores).
+# 28.2 ms, W3 38.4 vs 39.5 ms) and half the build time of -O3 (build times: docs/performance.md).
 # -mprefer-vector-width=512 (x86 only): GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless
 # told; the chain kernel's blocks are 16 float32 chains, one 512-bit register (ignored where there is none).
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC") + (
@@ -295,7 +295,7 @@ class CLibrary:
 
     def _compile(self, cc: list[str], target: Path) -> None:
         # compile beside the target and rename: another process never loads a half-written library.
-        # The objects compile at once (the chain kernel's two: 1.5 s on two cores against 2.6 s in turn).
+        # The objects compile at once (the chain kernel's two: about 0.6x the time of one after the other on 2 cores).
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
             objects = [os.path.join(work, f"part{i}.o") for i in range(len(self.objects))]
             jobs = [subprocess.Popen([*cc, *FLAGS, *defines, "-c", str(src), "-o", obj],
