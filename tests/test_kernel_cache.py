@@ -126,11 +126,14 @@ def test_a_rebuild_prunes_older_builds_but_not_one_being_built(built, tmp_path):
     _damage(library, "no record")
     old = [cache / f"cpu_nuts-{i:020x}.so" for i in range(5)]
     now = time.time()
-    for i, p in enumerate(old):  # used 1 .. 5 days ago
+    for i, p in enumerate(old):  # used 2 .. 6 days ago
         p.write_bytes(b"old build")
         _cbuild.record_path(p).write_text("0" * 64 + " 9\n")
         for f in (p, _cbuild.record_path(p)):
-            os.utime(f, (now - 86400 * (i + 1),) * 2)
+            os.utime(f, (now - 86400 * (i + 2),) * 2)
+    recent = cache / "cpu_nuts-ffffffffffffffffffff.so"  # beyond KEEP, but used in the last day
+    recent.write_bytes(b"another installation's build")
+    os.utime(recent, (now - 3600,) * 2)
     other = cache / "cpu_chain-00000000000000000000.so"  # another library: never touched
     other.write_bytes(b"nuts")
     os.utime(other, (now - 86400 * 30,) * 2)
@@ -145,10 +148,10 @@ def test_a_rebuild_prunes_older_builds_but_not_one_being_built(built, tmp_path):
         result = _child(cache, "nuts")
     assert result["kernel"] and result["build_s"] > 0
     kept = sorted(p.name for p in cache.glob("cpu_nuts-*.so"))
-    # the rebuilt library, the KEEP - 1 most recently used others, and the locked one
-    assert kept == sorted([library.name, old[0].name, old[1].name, old[4].name])
+    # the rebuilt library, the KEEP - 1 most recently used others, the one used today and the locked one
+    assert kept == sorted([library.name, recent.name, old[0].name, old[4].name])
     assert _cbuild.KEEP == 3
-    for p in old[2:4]:
+    for p in old[1:4]:
         assert not _cbuild.record_path(p).exists() and not p.with_suffix(".lock").exists()
     assert other.exists() and fresh.exists() and not stale.exists()
 

@@ -14,8 +14,8 @@ by a killed build, damaged in a copy — is never loaded: it is rebuilt (or, if 
 callers fall back and :attr:`CLibrary.why` says why). Loading a damaged shared library can kill
 the process (SIGBUS, SIGILL) before Python sees an error; the checksum keeps it from being opened.
 After a build, older builds of the same library in that folder are pruned: the
-:data:`KEEP` most recently used stay (another installation may still load them), and
-temporary build folders left by killed builds are removed after an hour.
+:data:`KEEP` most recently used stay, and any used in the last day (another installation may
+still load them); temporary build folders left by killed builds are removed after an hour.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC") + (
 
 # Enters the cache name: a library built before the checksum records existed is not looked for
 _FORMAT = b"fnebm-cbuild-2"
-KEEP = 3  # builds of each library kept in a cache folder (the one just built included)
+KEEP = 3  # builds of each library kept in a cache folder (the one just built included) ...
+_RECENT_S = 86400.0  # ... besides those used in the last day (several installations at work)
 _STALE_BUILD_S = 3600.0  # a temporary build folder older than this was left by a killed build
 
 
@@ -263,8 +264,9 @@ class CLibrary:
 
     def _prune(self, keep: Path) -> None:
         """Removes older builds of this library from ``keep``'s folder (all but the :data:`KEEP`
-        most recently used, ``keep`` among them; none that another process is building) and the
-        temporary folders of builds killed more than an hour ago. Never raises."""
+        most recently used, ``keep`` among them, and those used in the last day; none that another
+        process is building) and the temporary folders of builds killed more than an hour ago.
+        Never raises."""
         pattern = re.compile(re.escape(self.stem) + r"-[0-9a-f]{20}\.so")
         folder = keep.parent
         try:
@@ -285,7 +287,9 @@ class CLibrary:
             except OSError:
                 continue
         others.sort(reverse=True)
-        for _, p in others[KEEP - 1:]:
+        for used, p in others[KEEP - 1:]:
+            if now - used < _RECENT_S:
+                continue
             with _try_lock(p) as held:
                 if not held:
                     continue
