@@ -321,8 +321,9 @@ class CLibrary:
             record = os.path.join(work, "record")
             with open(record, "w") as f:
                 f.write(f"{digest} {size}\n")
-            # the library first, then its record: a reader that sees the record sees the library it
-            # describes, and one killed between the two leaves a library without a record (rebuilt)
+            # the library first, then its record: a reader in between finds no record (or a damaged
+            # library's old one) and waits on the lock; a build killed between the two leaves a
+            # library without a record, which the next process rebuilds
             os.replace(tmp, target)
             os.replace(record, record_path(target))
 
