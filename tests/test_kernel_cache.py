@@ -121,6 +121,24 @@ def test_a_failed_rebuild_falls_back_and_says_why(built, tmp_path):
     assert _cbuild.check(library) is not None  # left as it was: nothing was loaded or replaced
 
 
+def test_a_fresh_build_that_crashes_its_loader_is_never_loaded(tmp_path):
+    # a compiler whose linked library is cut to half (as a full disk would): the child process that
+    # loads it first dies of SIGBUS, so the run falls back and says why instead of dying itself
+    fake = tmp_path / "fake-cc"
+    real = shutil.which(os.environ.get("CC") or "cc")
+    fake.write_text(f'#!/bin/sh\n{real} "$@" || exit $?\n'
+                    'for a in "$@"; do [ "$prev" = -o ] && out="$a"; prev="$a"; done\n'
+                    'case " $* " in *" -shared "*) head -c $(( $(wc -c < "$out") / 2 )) "$out" > "$out.cut" '
+                    '&& mv "$out.cut" "$out";; esac\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = _child(cache, "nuts", CC=str(fake))
+    assert not result["kernel"] and "kills the process that loads it" in result["why"], result
+    assert "could not be used" in result["reason"]
+    assert not list(cache.glob("cpu_nuts-*.so"))  # nothing was published
+
+
 def test_a_rebuild_prunes_older_builds_but_not_one_being_built(built, tmp_path):
     cache, library = _copy(built, tmp_path)
     _damage(library, "no record")

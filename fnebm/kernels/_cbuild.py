@@ -12,7 +12,8 @@ build time (``<name>.so.sha256``, written after the library, each by an atomic r
 library whose record is missing or does not match — truncated by a full disk, overwritten, left
 by a killed build, damaged in a copy — is never loaded: it is rebuilt (or, if that fails, the
 callers fall back and :attr:`CLibrary.why` says why). Loading a damaged shared library can kill
-the process (SIGBUS, SIGILL) before Python sees an error; the checksum keeps it from being opened.
+the process (SIGBUS, SIGILL) before Python sees an error; the checksum keeps it from being opened,
+and a fresh build is loaded once in a child process before it is put in place.
 After a build, older builds of the same library in that folder are pruned: the
 :data:`KEEP` most recently used stay, and any used in the last day (another installation may
 still load them); temporary build folders left by killed builds are removed after an hour.
@@ -29,6 +30,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -175,6 +177,20 @@ def check(library: Path) -> str | None:
     return None
 
 
+def _probe_load(library: str) -> None:
+    """Loads a fresh build in a child process first (tens of milliseconds, once per build): a
+    library that kills the process that loads it is never published. Only a death by a signal
+    counts; a child that cannot load it for another reason (its own library path) is no verdict."""
+    code = "import ctypes, sys; ctypes.CDLL(sys.argv[1])"
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", code, library], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    if done.returncode < 0:
+        raise RuntimeError(f"the freshly built C kernel kills the process that loads it "
+                           f"(signal {-done.returncode} in a child process)")
+
+
 class CLibrary:
     """One shared library: ``objects`` are ``(source, defines)`` pairs compiled at once, then linked.
 
@@ -317,6 +333,7 @@ class CLibrary:
                 first = (done.stderr.strip().splitlines() or ["no message"])[0]
                 raise RuntimeError(f"{' '.join(cc)} failed to link the C kernel: {first}")
             os.chmod(tmp, 0o755)
+            _probe_load(tmp)
             digest, size = _digest(tmp)
             record = os.path.join(work, "record")
             with open(record, "w") as f:
