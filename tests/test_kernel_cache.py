@@ -205,3 +205,18 @@ def test_the_package_data_ships_every_file_the_kernels_build_from():
             rel = f.resolve().relative_to(package).as_posix()
             assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in the package data {globs}"
 
+
+
+@pytest.mark.parametrize("sampler, note", [
+    ("mala", "the C kernel covers this run but could not be used (no C compiler found"),
+    ("nuts", "the NUTS C kernel covers this run but could not be used (no C compiler found"),
+])
+def test_the_summary_says_why_a_c_kernel_did_not_run(tmp_path, sampler, note):
+    # as from a wheel that cannot build the kernels: the run falls back, and its path line says why
+    cmd = [sys.executable, "-m", "fnebm", "sample", "--sampler", sampler, "--energy", "gaussian", "--dim", "2",
+           "--chains", "16", "--steps", "20", "--burn-in", "10", "--no-progress"]
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), FNEBM_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (path,) = [line for line in done.stdout.splitlines() if line.startswith("path ")]
+    assert note in path, path
