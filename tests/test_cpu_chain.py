@@ -198,7 +198,7 @@ def test_launches_cut_by_time_give_the_same_draws(monkeypatch):
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (40, 3)))
     kw = dict(burn_in=13, thin=3, backend="c", progress=False, collect=fnebm.chain.position_and_energy)
     whole = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw)
-    monkeypatch.setattr(be, "_FIRST_SLICE_ELEMENTS", 200)  # a first launch of 1 step, then 4x, 16x, ...
+    monkeypatch.setattr(be, "_FIRST_SLICE_WORK", 200)  # a first launch of 1 step, then 8x, 64x, ...
     monkeypatch.setattr(be, "_SLICE_S", 1e-9)  # ... or as the rate says: 1 step each
     seen = []
     cut = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, on_chunk=lambda d, t, s: seen.append(d))
@@ -208,15 +208,18 @@ def test_launches_cut_by_time_give_the_same_draws(monkeypatch):
     monkeypatch.setattr(be, "_SLICE_S", 1e9)
     seen.clear()
     grown = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, chunk_size=20, on_chunk=lambda d, t, s: seen.append(d))
-    assert seen == [1, 5, 21, 41, 61, 73] and torch.equal(grown[1][0], whole[1][0])  # 4x each, at most chunk_size
+    assert seen == [1, 9, 29, 49, 69, 73] and torch.equal(grown[1][0], whole[1][0])  # 8x each, at most chunk_size
 
 
 def test_the_next_launch_is_sized_by_the_measured_rate():
     assert be._next_slice(100, be._SLICE_S / 2, 10**9) == 200
     assert be._next_slice(100, be._SLICE_S * 10, 10**9) == 10
-    assert be._next_slice(100, 0.0, 10**9) == 400 and be._next_slice(100, 1e-9, 10**9) == 400  # at most 4x
+    assert be._next_slice(100, 0.0, 10**9) == 800 and be._next_slice(100, 1e-9, 10**9) == 800  # at most 8x
     assert be._next_slice(100, 1e-9, 150) == 150 and be._next_slice(1, 1e3, 10) == 1
-    assert be._first_slice(torch.zeros(4000, 10)) == (1 << 21) // 40000
+    x = torch.zeros(4000, 10)
+    assert be._first_slice(x) == be._first_slice(x, energies.harmonic(1.0)) == (1 << 24) // 40000
+    full = energies.gaussian(torch.zeros(10), torch.eye(10) + 0.5)  # d multiply-adds an element
+    assert be._first_slice(x, full) == (1 << 24) // 400000 and not full.is_diagonal
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="waits for the library in /proc/<pid>/maps")

@@ -330,7 +330,7 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
     # KeyboardInterrupt only once a ctypes call returns, so a launch's length bounds the wait.
     # Any cut gives the same draws (step t's key is fold_in(key, t) wherever a launch starts).
     timed = engine == "c"
-    size = min(chunk_size, _first_slice(x)) if timed else max(chunk_size, 2)
+    size = min(chunk_size, _first_slice(x, energy)) if timed else max(chunk_size, 2)
     a = 0
     try:
         while a < total:
@@ -363,19 +363,26 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
 
 
 _SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C is seen)
-_FIRST_SLICE_ELEMENTS = 1 << 21  # the first launch's steps x chains x elements: milliseconds
+# The first launch's work, before a rate is measured: steps x chains x elements (x d for a full
+# Gaussian, d multiply-adds an element). 2**24 is about 50 ms at W1's rate on 2 quiet cores of this
+# project's CPU host (29 ms for 10**7), 0.4 s at load average 6 there; W1 and W3 (10,000 chains x
+# 10 x 100 steps) stay one launch (two launches cost them 1.10x and 1.16x at that load).
+_FIRST_SLICE_WORK = 1 << 24
+_GROWTH = 8  # a launch is at most this many times the one before
 
 
-def _first_slice(x: Tensor) -> int:
-    """The first launch's steps, before a rate is measured: a few milliseconds' work."""
-    return max(1, _FIRST_SLICE_ELEMENTS // max(1, x.numel()))
+def _first_slice(x: Tensor, energy: Any = None) -> int:
+    """The first launch's steps, before a rate is measured: tens of milliseconds' work."""
+    work = x.numel() * (x.shape[-1] if getattr(energy, "is_diagonal", True) is False else 1)
+    return max(1, _FIRST_SLICE_WORK // max(1, work))
 
 
 def _next_slice(steps: int, seconds: float, limit: int) -> int:
-    """The next launch's steps: about ``_SLICE_S`` at the rate just measured, at most 4x the last
-    (one fast launch on a noisy machine does not make the next one long) and at most ``limit``."""
-    fit = int(_SLICE_S * steps / seconds) if seconds > 0 else 4 * steps
-    return max(1, min(limit, 4 * steps, fit))
+    """The next launch's steps: about ``_SLICE_S`` at the rate just measured, at most ``_GROWTH``
+    times the last (one fast launch on a noisy machine does not make the next one long) and at
+    most ``limit``."""
+    fit = int(_SLICE_S * steps / seconds) if seconds > 0 else _GROWTH * steps
+    return max(1, min(limit, _GROWTH * steps, fit))
 
 
 def _per_chain(value: Tensor, x: Tensor, chains: tuple[int, ...]) -> Tensor:
