@@ -19,7 +19,10 @@ from fnebm.adaptation import window_adaptation  # noqa: E402
 from fnebm.chain import ChainState, sample_chain  # noqa: E402
 from fnebm.gradients import score, value_and_grad  # noqa: E402
 from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains  # noqa: E402
-from fnebm import datasets, losses  # noqa: E402
+from fnebm import datasets, interpolants, losses  # noqa: E402
+from fnebm import couplings  # noqa: E402
+from fnebm.samplers import eqm  # noqa: E402
+from fnebm.correction import mcmc_correct  # noqa: E402
 from fnebm.memory import reuse_freed_memory  # noqa: E402
 
 __version__ = "0.1.0"
@@ -44,7 +47,11 @@ __all__ = [
     "hmc",
     "nuts",
     "datasets",
+    "interpolants",
     "losses",
+    "couplings",
+    "eqm",
+    "mcmc_correct",
     "reuse_freed_memory",
 ]
 from fnebm import distributed  # noqa: E402  (chains across processes; the identity in one)

@@ -308,6 +308,10 @@ class _Calls:
         self._seen = 0
 
     def on_plan(self, plan: Any) -> None:
+        if getattr(plan, "revised", False) and self.plans:  # the same call: its compile failed, it runs eagerly
+            self.plans[-1] = plan
+            self._start_bar()
+            return
         self.plans.append(plan)
         self.planned_at.append(time.perf_counter())
         self._seen = 0
@@ -381,6 +385,8 @@ class _Calls:
         plan = self.plans[main]
         if getattr(plan, "kernel", False):  # e.g. "backend='auto': the whole-chain C kernel (CPU)"
             return None, plan.reason.split(": ", 1)[-1] + ", nothing compiled"
+        if getattr(plan, "fallback", None):
+            return False, f"the compile failed ({plan.fallback}), so the steps ran eagerly"
         if self.cfg.compile is True:
             why = "--compile"
         elif self.cfg.compile is False:
