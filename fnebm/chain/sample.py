@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.backend import compile_setting, kernel_runner
+from fnebm.chain.backend import compile_setting, kernel_runner, unavailable_kernel
 from fnebm.chain.loop import loop, position
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache, describe_failure
 from fnebm.chain.schedule import chunks, kept_in
@@ -380,7 +380,8 @@ def sample_chain(
     total = burn_in + n_steps
     plan = cache.plan(runner_key, shapes, total, compile)
     if on_plan is not None:
-        on_plan(plan)
+        missed = unavailable_kernel(step, chain, collect, backend, compile)  # a C kernel that could not build
+        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed}"))
     run = cache.get(runner_key) if plan.compiled else _eager
 
     show = sys.stderr.isatty() if progress is None else bool(progress)
