@@ -1,5 +1,7 @@
 """One-step maps that samplers are built from: ``diffusion`` (Euler–Maruyama), ``symplectic``
-(velocity Verlet, McLachlan, Yoshida as coefficients) and ``metrics`` (mass matrices).
+(velocity Verlet, McLachlan, Yoshida as coefficients), ``metrics`` (mass matrices), and the
+solvers: ``ode`` (Runge–Kutta methods as Butcher tableaus, fixed grid or adaptive, one
+``odeint``) and ``sde`` (Euler–Maruyama and stochastic Heun over a grid, keyed).
 
 Integrators take tensors that already broadcast (a per-chain step size reshaped against the
 positions by the sampler) and hold no state; they never draw random numbers themselves
@@ -8,7 +10,9 @@ positions by the sampler) and hold no state; they never draw random numbers them
 
 from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.integrators.metrics import Dense, Diagonal, euclidean
+from fnebm.integrators import ode
+from fnebm.integrators.ode import ODEInfo, Tableau, odeint
 from fnebm.integrators.symplectic import IntegratorState, integrate, mclachlan, velocity_verlet, yoshida
 
 __all__ = ["euler_maruyama", "IntegratorState", "integrate", "velocity_verlet", "mclachlan", "yoshida", "euclidean",
-           "Diagonal", "Dense"]
+           "Diagonal", "Dense", "ode", "odeint", "Tableau", "ODEInfo"]
