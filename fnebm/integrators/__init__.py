@@ -10,9 +10,10 @@ positions by the sampler) and hold no state; they never draw random numbers them
 
 from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.integrators.metrics import Dense, Diagonal, euclidean
-from fnebm.integrators import ode
+from fnebm.integrators import ode, sde
 from fnebm.integrators.ode import ODEInfo, Tableau, odeint
+from fnebm.integrators.sde import sdeint
 from fnebm.integrators.symplectic import IntegratorState, integrate, mclachlan, velocity_verlet, yoshida
 
 __all__ = ["euler_maruyama", "IntegratorState", "integrate", "velocity_verlet", "mclachlan", "yoshida", "euclidean",
-           "Diagonal", "Dense", "ode", "odeint", "Tableau", "ODEInfo"]
+           "Diagonal", "Dense", "ode", "odeint", "Tableau", "ODEInfo", "sde", "sdeint"]
