@@ -329,17 +329,17 @@ def _code_of(fn: Any, depth: int = 0) -> Any:
 _COMPILED: dict = {}
 
 
-def _compiled_chunk(f, tableau: Tableau, per_sample: bool, n: int) -> Callable:
-    key = (_code_of(f), tableau, per_sample, n)
+def _compiled_chunk(f, tableau: Tableau, per_sample: bool, n: int, backend: str) -> Callable:
+    key = (_code_of(f), tableau, per_sample, n, backend)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = torch.compile(_chunk, fullgraph=True, dynamic=False)
+        fn = torch.compile(_chunk, fullgraph=True, dynamic=False, backend=backend)
         _COMPILED[key] = fn
     return fn
 
 
 def _adaptive(f, tableau: Tableau, x0: Tensor, t: Tensor, rtol: Tensor, atol: Tensor, per_sample: bool,
-              trajectory: bool, out: Tensor | None, max_steps: int, check_every: int, compile: bool,
+              trajectory: bool, out: Tensor | None, max_steps: int, check_every: int, compile: bool | str,
               first_step: Tensor | None) -> tuple[Tensor, ODEInfo]:
     dtype, device = x0.dtype, x0.device
     rtol = rtol.to(dtype=dtype, device=device)
@@ -357,7 +357,8 @@ def _adaptive(f, tableau: Tableau, x0: Tensor, t: Tensor, rtol: Tensor, atol: Te
     if trajectory:
         buf = torch.empty((t.shape[0], *x0.shape), dtype=dtype, device=device) if out is None else out
         buf[0] = x0
-    step = _compiled_chunk(f, tableau, per_sample, check_every) if compile else _chunk
+    backend = compile if isinstance(compile, str) else "inductor"
+    step = _compiled_chunk(f, tableau, per_sample, check_every, backend) if compile else _chunk
     steps = 0
     for i in range(1, t.shape[0]):
         t_end = t[i].expand(batch).clone()
@@ -402,7 +403,7 @@ def odeint(
     first_step: float | Tensor | None = None,
     max_steps: int = 10_000,
     check_every: int = 1,
-    compile: bool = False,
+    compile: bool | str = False,
     unroll: bool | None = None,
 ) -> tuple[Tensor, ODEInfo]:
     """Integrate ``dx/dt = f(t, x)`` from ``t[0]`` through the times ``t``; returns ``(xs, info)``.
@@ -425,7 +426,8 @@ def odeint(
         check_every: adaptive only: attempted steps between host reads of "all done" (a
             finished sample or batch stands still, so extra steps cost time, not accuracy).
         compile: adaptive only: run ``check_every`` steps as one compiled region, cached per kind
-            of ``f`` (its code), tableau, ``per_sample`` and ``check_every``.
+            of ``f`` (its code), tableau, ``per_sample`` and ``check_every``; ``True`` for
+            Inductor, or a ``torch.compile`` backend name.
         unroll: fixed grid under ``torch.compile``: a Python loop unrolled into the graph
             (``True``) or a ``scan`` (``False``); default: unroll up to :data:`UNROLL_MAX` steps.
 
@@ -487,5 +489,7 @@ def odeint(
         first_step = _checks.tunable("first_step", first_step)
     if backward:
         f, t = _reverse(f), -t
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(f"compile must be a bool or a torch.compile backend name, got {type(compile).__name__}")
     return _adaptive(f, method, x0, t, rtol, atol, bool(per_sample), trajectory, out, max_steps, check_every,
-                     bool(compile), first_step)
+                     compile, first_step)

@@ -115,7 +115,7 @@ def flow_sample(
     x0: Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     per_sample: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> tuple[Tensor, ode.ODEInfo]:
     """Draw ``shape[0]`` samples by integrating from ``N(0, I)`` at ``t0`` to ``t1``; ``(x, info)``.
 
