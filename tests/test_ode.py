@@ -188,7 +188,7 @@ def test_adaptive_compiled_chunks_equal_eager_without_recompiles():
                                   compile="aot_eager", check_every=2)  # Dynamo's graph; Inductor is the bench's
         torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
         assert int(ic.nfe) == int(ie.nfe) and int(ic.n_accepted) == int(ie.n_accepted)
-    assert len(ode._COMPILED) == 1
+    assert len(ode._COMPILED) <= 2  # one graph per chunk length (2, and single steps near the end)
 
 
 # --- SDE --------------------------------------------------------------------------------------
