@@ -372,7 +372,9 @@ def _adaptive(f, tableau: Tableau, x0: Tensor, t: Tensor, rtol: Tensor, atol: Te
     steps = 0
     for i in range(1, t.shape[0]):
         t_end = t[i].expand(batch).clone()
-        n = check_every
+        n = 1
+        if check_every > 1:  # a chunk only where as many steps are left at the current step size
+            n = check_every if ((t_end - s.t) / s.dt).max().item() >= check_every else 1
         while steps < max_steps:
             s, flags = step(n)(f, tableau, s, t_end, rtol, atol, per_sample, n)
             steps += n
