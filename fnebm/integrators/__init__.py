@@ -4,8 +4,9 @@ solvers: ``ode`` (Runge–Kutta methods as Butcher tableaus, fixed grid or adapt
 ``odeint``) and ``sde`` (Euler–Maruyama and stochastic Heun over a grid, keyed).
 
 Integrators take tensors that already broadcast (a per-chain step size reshaped against the
-positions by the sampler) and hold no state; they never draw random numbers themselves
-(the noise is an argument), so the same map serves a kernel and its tests.
+positions by the sampler) and hold no state; the one-step maps never draw random numbers
+themselves (the noise is an argument), so the same map serves a kernel and its tests. The SDE
+driver ``sdeint`` draws each step's noise from a key it is given (``fold_in(key, step)``).
 """
 
 from fnebm.integrators.diffusion import euler_maruyama
