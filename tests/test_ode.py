@@ -222,16 +222,7 @@ def test_sde_is_keyed_and_has_the_ou_moments(method):
     torch.testing.assert_close(rest, xs[-1], rtol=1e-12, atol=1e-12)
 
 
-def test_sde_compiled_scan_draws_the_eager_numbers():
-    x0 = torch.zeros(32, 2)
-    t = torch.linspace(0.0, 1.0, 6)
-    key = fr.key(3)
-
-    def run(x0, key):
-        return sde.sdeint(ou_drift, 1.5, x0, t, key, sde.heun_step)[0]
-
-    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x0, key), run(x0, key), rtol=1e-5, atol=1e-6)
+# sdeint's compiled scan: tests/test_flow_sampler.py (the whole flow SDE draw as one graph)
 
 
 def test_sde_bad_arguments():

@@ -450,6 +450,8 @@ def odeint(
             on this project's CPU ran the bench's MLP 1.5x faster than the default).
         unroll: fixed grid under ``torch.compile``: a Python loop unrolled into the graph
             (``True``) or a ``scan`` (``False``); default: unroll up to :data:`UNROLL_MAX` steps.
+            A scan body may not close over two tensors that alias (``W`` and its view ``W.T``):
+            Dynamo then stops with "Encountered aliasing"; hold a ``.contiguous()`` copy, or unroll.
 
     Returns:
         ``(xs, info)`` with :class:`ODEInfo`.
