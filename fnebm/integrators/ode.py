@@ -370,6 +370,7 @@ def _adaptive(f, tableau: Tableau, x0: Tensor, t: Tensor, rtol: Tensor, atol: Te
     def step(n: int) -> Callable:
         return _compiled_chunk(f, tableau, per_sample, n, _compile_options(compile)) if compile is not False else _chunk
 
+    graphs = compile is not False and device.type == "cuda"
     steps = 0
     for i in range(1, t.shape[0]):
         t_end = t[i].expand(batch).clone()
@@ -378,6 +379,8 @@ def _adaptive(f, tableau: Tableau, x0: Tensor, t: Tensor, rtol: Tensor, atol: Te
             n = check_every if ((t_end - s.t) / s.dt).max().item() >= check_every else 1
         while steps < max_steps:
             s, flags = step(n)(f, tableau, s, t_end, rtol, atol, per_sample, n)
+            if graphs:  # a CUDA graph's replay reuses its output memory: the next chunk would overwrite s
+                s = _State(*(v.clone() for v in s))
             steps += n
             done, left = flags.tolist()  # the one host read per chunk
             if done:
