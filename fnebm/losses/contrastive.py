@@ -109,6 +109,9 @@ def _check_sampler(sampler: Any) -> Callable:
     if sampler is None:
         return default_sampler
     _checks.check_callable("sampler", sampler, "energy -> SamplingAlgorithm (e.g. lambda e: fnebm.mala(e, 0.1))")
+    _checks.check_signature("sampler", sampler, 1, what="sampler(energy) -> SamplingAlgorithm",
+                            hint="bind the sampler's other arguments: lambda e: fnebm.mala(e, 0.1) or "
+                                 "functools.partial(fnebm.mala, step_size=0.1)")
     return sampler
 
 
@@ -116,6 +119,7 @@ def _check_noise(noise: Any) -> Callable:
     if noise is None:
         return fr.normal
     _checks.check_callable("noise", noise, "(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
+    _checks.check_signature("noise", noise, 3, what="noise(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
     return noise
 
 
@@ -249,6 +253,7 @@ def contrastive_divergence(
     """
     _common.check_energy(energy)
     batch = _common.check_batch(batch)
+    _common.check_fits(energy, batch)
     _common.check_loss_key(key)
     sampler = _check_sampler(sampler)
     n_steps = _checks.check_int("n_steps", n_steps, 1)
@@ -269,7 +274,7 @@ def contrastive_divergence(
     else:
         start = _check_positions("init", init, batch)
 
-    model = _common.with_autocast(energy, dtype)
+    model = _common.checked(energy, dtype)  # the loss's own evaluations check what the energy returns
     frozen = model if grad_through_sampler else _common.with_autocast(_common.stop_gradient(energy), dtype)
     e_pos = None
     if from_data and not grad_through_sampler:
@@ -281,8 +286,10 @@ def contrastive_divergence(
         if isinstance(start, _CACHES_ENERGY):
             e_pos = start.energy
         start = _common.stop_gradient(start)
-    elif not grad_through_sampler:
-        start = start.detach()
+    else:
+        e_pos = _common.batched(model)(batch)  # before the sampler: a bad energy is named by the loss
+        if not grad_through_sampler:
+            start = start.detach()
     negatives, info = sample_negatives(frozen, start, k_chain, sampler, n_steps, unroll)
     if not grad_through_sampler:
         negatives = negatives.detach()
@@ -386,6 +393,7 @@ def persistent_contrastive_divergence(
     batch = _common.check_batch(batch)
     _common.check_loss_key(key)
     state = _check_state(state, batch)
+    _common.check_fits(energy, batch)
     sampler = _check_sampler(sampler)
     n_steps = _checks.check_int("n_steps", n_steps, 1)
     noise = _check_noise(noise)
@@ -394,8 +402,10 @@ def persistent_contrastive_divergence(
     dtype = _common.check_autocast(autocast)
     k_init, k_chain = fr.split(key)
     start = _starts(state, k_init, reinit_prob, noise)
+    model = _common.checked(energy, dtype)
+    e_pos = _common.batched(model)(batch)  # before the sampler: a bad energy is named by the loss
     frozen = _common.with_autocast(_common.stop_gradient(energy), dtype)
     negatives, info = sample_negatives(frozen, start.detach(), k_chain, sampler, n_steps, unroll)
     negatives = negatives.detach()
-    loss, e_pos, e_neg = _cd_value(_common.with_autocast(energy, dtype), batch, negatives, alpha)
+    loss, e_pos, e_neg = _cd_value(model, batch, negatives, alpha, e_pos)
     return loss, PCDAux(e_pos.detach(), e_neg.detach(), negatives, info, _advance(state, negatives))
