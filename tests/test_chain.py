@@ -326,3 +326,9 @@ def test_a_state_with_no_chains_is_named(mala_alg, mala_state):
             fnebm.sample_chain(mala_alg.step, empty, key, 3, progress=False)
     with pytest.raises(ValueError, match="state has 0 chains"):
         fnebm.chain.init(empty, fr.key(0))
+
+
+def test_a_state_of_mixed_dtypes_is_named_by_its_dtype(mala_alg, mala_state):
+    mixed = mala_state._replace(energy=mala_state.energy.float())  # float64 positions, a float32 energy
+    with pytest.raises(ValueError, match=r"step turned state.energy of dtype torch.float32 into torch.float64"):
+        fnebm.sample_chain(mala_alg.step, mixed, fr.key(0), 3, compile=False, progress=False)

@@ -200,6 +200,9 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
         raise ValueError(f"step returned a state of another structure than it was given; {hint}")
     for (name, a), b in zip(_leaves_with_names(chain.state), pytree.tree_leaves(new)):
         if not isinstance(b, Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+            if isinstance(b, Tensor) and b.shape == a.shape:  # the dtype changed: mixed dtypes in the state?
+                raise ValueError(f"step turned state{name} of dtype {a.dtype} into {b.dtype}: give every field of "
+                                 "the state (and the energy's parameters) one floating dtype")
             got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
             raise ValueError(f"step turned state{name} of shape {tuple(a.shape)} into {got}; {hint}")
     chains = tuple(chain.keys.shape[:-1])
