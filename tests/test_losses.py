@@ -526,6 +526,26 @@ def test_sampler_and_noise_must_take_the_arguments_the_loss_passes():
         assert torch.isfinite(value)
 
 
+def test_exact_score_matching_traces_under_compile_with_autograd_outside():
+    """fnebm train's compiled path: the loss compiled (fullgraph), its parameter gradient taken by
+    autograd outside. jacfwd of the score failed to trace there on torch 2.13 (fnebm train --loss sm
+    crashed); Dynamo's trace alone (backend "eager") shows it, in seconds."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1, bias=False)).double()
+    energy_fn, params = E.from_module(net)
+    x = fr.normal(fr.key(3), (16, 2), F64)
+
+    def loss(params, x):
+        return L.exact_score_matching(E.bind(energy_fn, params), x)[0]
+
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+    value, expected = compiled(leaves, x), loss(leaves, x)
+    torch.testing.assert_close(value, expected)
+    for a, b in zip(torch.autograd.grad(value, tuple(leaves.values())),
+                    torch.autograd.grad(expected, tuple(leaves.values()))):
+        torch.testing.assert_close(a, b)
+
+
 # ------------------------------------------------------------------- one compiled training step
 
 

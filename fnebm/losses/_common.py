@@ -55,7 +55,10 @@ def check_fits(energy: Any, batch: Tensor) -> None:
     """The batch fits the energy, as a sampler's ``init`` checks a position: the energy's dtype and
     device where it has parameters, and for fnebm's energies (which take one vector ``(dim,)``) the
     batch's shape ``(n, dim)``. Metadata only."""
-    dtype, device = getattr(energy, "dtype", None), getattr(energy, "device", None)
+    try:
+        dtype, device = getattr(energy, "dtype", None), getattr(energy, "device", None)
+    except Exception:  # an energy whose dtype cannot be told (no tensor parameters) is not checked here
+        dtype = device = None
     if isinstance(dtype, torch.dtype) and batch.dtype != dtype:
         raise TypeError(f"batch has dtype {batch.dtype} but the energy's parameters are {dtype}; convert one of "
                         f"them (e.g. energy.to(dtype={batch.dtype}))")

@@ -56,7 +56,10 @@ def _exact_term(energy: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     f = functools.partial(_flat, energy, tuple(x.shape))
     x = x.reshape(-1)
     grad = torch.func.grad(f)
-    hessian = torch.func.jacfwd(grad)(x)
+    # forward-over-reverse eagerly; reverse-over-reverse under compile, where torch 2.13 fails to
+    # trace jacfwd of a gradient whose parameters autograd tracks (fnebm train --loss sm crashed)
+    jacobian = torch.func.jacrev if torch.compiler.is_compiling() else torch.func.jacfwd
+    hessian = jacobian(grad)(x)
     g = grad(x)
     return 0.5 * (g * g).sum() - torch.diagonal(hessian).sum()
 
