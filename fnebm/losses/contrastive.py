@@ -109,9 +109,6 @@ def _check_sampler(sampler: Any) -> Callable:
     if sampler is None:
         return default_sampler
     _checks.check_callable("sampler", sampler, "energy -> SamplingAlgorithm (e.g. lambda e: fnebm.mala(e, 0.1))")
-    _checks.check_signature("sampler", sampler, 1, what="sampler(energy) -> SamplingAlgorithm",
-                            hint="bind the sampler's other arguments: lambda e: fnebm.mala(e, 0.1) or "
-                                 "functools.partial(fnebm.mala, step_size=0.1)")
     return sampler
 
 
@@ -119,8 +116,25 @@ def _check_noise(noise: Any) -> Callable:
     if noise is None:
         return fr.normal
     _checks.check_callable("noise", noise, "(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
-    _checks.check_signature("noise", noise, 3, what="noise(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
     return noise
+
+
+def _named_call(name: str, fn: Callable, args: tuple, what: str, hint: str = "") -> Any:
+    """``fn(*args)``; a ``TypeError`` from a call ``fn``'s signature cannot take is named for the
+    argument (:func:`fnebm._checks.check_signature`). The signature is read on that error only, so
+    a good call pays nothing, and never under compile (no ``try`` in a traced graph)."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    try:
+        return fn(*args)
+    except TypeError:
+        _checks.check_signature(name, fn, len(args), what=what, hint=hint)
+        raise
+
+
+def _noise(noise: Callable, key: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return _named_call("noise", noise, (key, shape, dtype),
+                       "noise(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
 
 
 def _check_positions(name: str, x: Any, batch: Tensor) -> Tensor:
@@ -164,7 +178,9 @@ def _nothing(state: Any) -> tuple:
 
 
 def _algorithm(sampler: Callable, energy: Callable[[Tensor], Tensor]):
-    alg = sampler(energy)
+    alg = _named_call("sampler", sampler, (energy,), "sampler(energy) -> SamplingAlgorithm",
+                      "bind the sampler's other arguments: lambda e: fnebm.mala(e, 0.1) or "
+                      "functools.partial(fnebm.mala, step_size=0.1)")
     if not (callable(getattr(alg, "init", None)) and callable(getattr(alg, "step", None))):
         raise TypeError(f"sampler(energy) must return a SamplingAlgorithm(init, step), got {type(alg).__name__}")
     return alg
@@ -268,7 +284,7 @@ def contrastive_divergence(
         if init == "data":
             start = batch
         elif init == "noise":
-            start = noise(k_init, tuple(batch.shape), batch.dtype)
+            start = _noise(noise, k_init, tuple(batch.shape), batch.dtype)
         else:
             raise ValueError(f"init must be 'data', 'noise' or a tensor of starting points, got {init!r}")
     else:
@@ -344,7 +360,7 @@ def _starts(state: PCDState, key: Tensor, reinit_prob: Tensor | float, noise: Ca
         count = state.count.to(x.dtype)
         idx = torch.floor(fr.uniform(k_pick, (m,), x.dtype) * count).to(torch.int64).clamp(0, size - 1)
         carried = torch.where((state.count > 0).reshape((1, *mask)), state.buffer[idx], x)
-    return torch.where(reinit, noise(k_noise, (m, *event), x.dtype), carried)
+    return torch.where(reinit, _noise(noise, k_noise, (m, *event), x.dtype), carried)
 
 
 def _advance(state: PCDState, negatives: Tensor) -> PCDState:
