@@ -511,10 +511,13 @@ def _check_training(cfg: TrainConfig, history: Tensor, lo: int, hi: int, start: 
     """Raise :class:`Diverged` when a loss of steps ``lo:hi`` of this run, the parameters or Adam's
     moments are not finite. Called every few steps (a host sync each time), and after the last."""
     losses = history[lo:hi]
-    finite = torch.isfinite(losses)
-    bad = _nonfinite(_model_tensors(dict(params=params, optimizer=opt, chains=None)))
-    if bool(finite.all()) and not bad:
+    named = _model_tensors(dict(params=params, optimizer=opt, chains=None))
+    # one read: the largest |value| of each tensor is finite exactly when all its values are (NaN propagates)
+    peaks = [t.abs().amax().double() for t in (losses, *(t for _, t in named)) if t.numel()]
+    if bool(torch.isfinite(torch.stack(peaks)).all()):
         return
+    finite = torch.isfinite(losses)
+    bad = _nonfinite(named)
     if not bool(finite.all()):
         j = int((~finite).nonzero()[0, 0])
         what = f"the loss is {float(losses[j])} at step {start + lo + j}"
