@@ -14,6 +14,7 @@ This is the bottom layer: it imports only ``torch``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -25,6 +26,7 @@ from torch import Tensor
 __all__ = [
     "is_concrete",
     "check_callable",
+    "check_signature",
     "check_int",
     "check_real",
     "check_shape",
@@ -56,6 +58,38 @@ def is_concrete(*tensors: Any) -> bool:
 def check_callable(name: str, value: Any, what: str) -> None:
     if not callable(value):
         raise TypeError(f"{name} must be callable {what}, got {type(value).__name__}")
+
+
+def _plain_signature(sig: inspect.Signature) -> str:
+    """``(energy_fn, step_size, *, backend='auto')``: the parameters without annotations."""
+    plain = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=plain, return_annotation=sig.empty))
+
+
+def check_signature(name: str, value: Any, n_positional: int, keywords: Any = (), *, what: str,
+                    hint: str = "") -> None:
+    """``value`` can be called with ``n_positional`` positional arguments and ``keywords``.
+
+    Read from ``inspect.signature`` (which sees through ``functools.partial``); a callable whose
+    signature cannot be read (a builtin) passes, and so does everything under ``torch.compile``,
+    where the check has already run eagerly or cannot be traced. ``what``: the calling convention
+    expected, e.g. ``"energy -> SamplingAlgorithm"``; ``hint``: appended to the message.
+    """
+    if torch.compiler.is_compiling():
+        return
+    try:
+        sig = inspect.signature(value)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*([None] * n_positional), **dict.fromkeys(keywords))
+    except TypeError as e:
+        fn = value
+        while hasattr(fn, "func"):  # functools.partial layers: name the function under them
+            fn = fn.func
+        shown = getattr(fn, "__name__", None) or type(value).__name__
+        raise TypeError(f"{name} must be callable as {what}, but {shown}{_plain_signature(sig)} cannot be "
+                        f"({e}){'; ' + hint if hint else ''}") from None
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:

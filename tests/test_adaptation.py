@@ -408,3 +408,25 @@ def test_run_refuses_bad_inputs(kwargs, position, key, exc, match):
     warm = window_adaptation(fnebm.hmc, E.gaussian(torch.zeros(2, dtype=F64)), 10, **kwargs)
     with pytest.raises(exc, match=match):
         warm.run(position, key, compile=False)
+
+
+def test_window_adaptation_names_an_algorithm_that_cannot_take_a_mass_matrix():
+    """At construction, not at ``run``: the algorithm is called as (energy_fn, step_size, inverse_mass_matrix, **extra)."""
+    target = E.gaussian(torch.zeros(2, dtype=F64))
+    with pytest.raises(TypeError, match=r"algorithm must be callable as algorithm\(energy_fn, step_size, "
+                                        r"inverse_mass_matrix, \*\*extra\), but mala\(energy_fn, step_size\) cannot "
+                                        r"be \(too many positional arguments\); .*fnebm.hmc or fnebm.nuts"):
+        window_adaptation(fnebm.mala, target, 10)
+    with pytest.raises(TypeError, match=r"but nuts\(.*\) cannot be \(got an unexpected keyword argument "
+                                        r"'num_integration_steps'\); window_adaptation passes"):
+        window_adaptation(fnebm.nuts, target, 10, num_integration_steps=5)
+
+    class Sampler:
+        def __call__(self, energy_fn, step_size, inverse_mass_matrix, **kwargs):
+            return fnebm.hmc(energy_fn, step_size, inverse_mass_matrix, **kwargs)
+
+    # what the algorithm may be: a partial, a callable object, a function of *args/**kwargs
+    for algorithm, extra in ((functools.partial(fnebm.hmc, num_integration_steps=3), {}), (Sampler(), {}),
+                             (lambda *a, **kw: fnebm.hmc(*a, **kw), dict(num_integration_steps=3)),
+                             (fnebm.nuts, dict(max_tree_depth=4))):
+        window_adaptation(algorithm, target, 10, **extra)

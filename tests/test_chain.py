@@ -289,3 +289,46 @@ def test_auto_estimates_and_bad_arguments(mala_alg, mala_state):
         fnebm.sample_chain(mala_alg.step, mala_state, fr.key(0), 3, compile="yes", progress=False)
     with pytest.raises(TypeError, match="on_plan"):
         fnebm.sample_chain(mala_alg.step, mala_state, fr.key(0), 3, on_plan=1, progress=False)
+
+
+def test_a_tensor_of_positions_where_a_sampler_state_belongs_is_named(mala_alg, start):
+    """The slip of forgetting vmap(alg.init): fnebm's steps name their state type, a user's step that reads
+    fields of a tensor gets the same hint, and a user's step whose state is a tensor still runs."""
+    key = fr.key(0)
+    for alg in (mala_alg, fnebm.langevin(mala_alg.init.keywords["energy_fn"], 0.1)):
+        name = type(torch.func.vmap(alg.init)(start[:2])).__name__
+        with pytest.raises(TypeError, match=rf"state must be the sampler's {name} \(fields position, energy, grad\), "
+                                            r"got a tensor of shape \(4096, 2\).*torch.func.vmap\(alg.init\)"):
+            fnebm.sample_chain(alg.step, start, key, 3, progress=False)
+    with pytest.raises(TypeError, match=r"state must be the sampler's MALAState .*got a tuple"):
+        fnebm.sample_chain(mala_alg.step, (start,), key, 3, progress=False)
+
+    def reads_fields(state, keys):
+        return state._replace(position=state.position + 1.0), ()
+
+    with pytest.raises(TypeError, match=r"step failed on state, a plain tensor of shape \(4096, 2\) \('Tensor' object "
+                                        r"has no attribute '_replace'\).*vmap\(alg.init\)"):
+        fnebm.sample_chain(reads_fields, start, key, 3, compile=False, progress=False)
+
+    def walk(x, key):  # a tensor state is this step's own
+        return x + 0.1 * fr.normal(key, x.shape, x.dtype), ()
+
+    _, trace, _ = fnebm.sample_chain(fnebm.vmap_chains(walk), start[:8], key, 3, compile=False, collect=lambda s: s,
+                                     progress=False)
+    assert trace.shape == (3, 8, 2)
+
+
+def test_a_state_with_no_chains_is_named(mala_alg, mala_state):
+    empty = type(mala_state)(*(x[:0] for x in mala_state))
+    for key in (fr.key(0), torch.zeros(0, 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"state has 0 chains: state.position has shape \(0, 2\), whose chain "
+                                             r"axes \(0,\) hold none"):
+            fnebm.sample_chain(mala_alg.step, empty, key, 3, progress=False)
+    with pytest.raises(ValueError, match="state has 0 chains"):
+        fnebm.chain.init(empty, fr.key(0))
+
+
+def test_a_state_of_mixed_dtypes_is_named_by_its_dtype(mala_alg, mala_state):
+    mixed = mala_state._replace(energy=mala_state.energy.float())  # float64 positions, a float32 energy
+    with pytest.raises(ValueError, match=r"step turned state.energy of dtype torch.float32 into torch.float64"):
+        fnebm.sample_chain(mala_alg.step, mixed, fr.key(0), 3, compile=False, progress=False)

@@ -231,6 +231,67 @@ def test_a_failure_while_writing_leaves_the_old_files(tmp_path, capsys, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
+# ------------------------------------------------------------------------ non-finite models
+
+
+def test_resume_refuses_a_non_finite_checkpoint_and_writes_nothing(runs, tmp_path, capsys):
+    _, done = runs
+    good = torch.load(done["three"][1])
+    cases = (("params", "w1", float("nan"), "params['w1']: 1 NaN of 256 values"),
+             ("optimizer", "v", float("inf"), "optimizer['v']['b0']: 1 inf of 16 values"),
+             ("chains", "positions", float("-inf"), "chains.positions: 1 inf of 128 values"))
+    for where, name, value, message in cases:
+        ckpt = torch.load(done["three"][1])
+        if where == "params":
+            ckpt["params"][name][0, 0] = value
+        elif where == "optimizer":
+            ckpt["optimizer"][name]["b0"][3] = value
+        else:
+            ckpt["chains"][name][5, 1] = value
+        bad, out = tmp_path / f"{where}.pt", tmp_path / "out.pt"
+        torch.save(ckpt, bad)
+        before = bad.read_bytes()
+        for target in (out, bad):  # a new file, and the damaged file itself
+            code, stdout, err = run(capsys, *TINY, "--steps", 2, "--resume", bad, "--out", target)
+            assert code == 2, err
+            assert_one_error_line(err)
+            assert f"--resume {bad}: the model in this checkpoint is not finite" in err and message in err, err
+            assert stdout == "" and not out.exists() and bad.read_bytes() == before
+    assert torch.equal(good["params"]["w1"], torch.load(done["three"][1])["params"]["w1"])  # the original is intact
+
+
+def test_training_that_diverges_stops_with_status_2_and_keeps_the_old_checkpoint(runs, tmp_path, capsys):
+    """At a learning rate of 1e30 Adam's first step sends the parameters to 1e30 and the next loss is NaN:
+    the run stops there, prints no summary (no MMD from a broken model) and leaves --out and --plot alone."""
+    _, done = runs
+    out, png = tmp_path / "model.pt", tmp_path / "model.png"
+    out.write_bytes(done["three"][1].read_bytes())
+    before = out.read_bytes()
+    code, stdout, err = run(capsys, *TINY, "--steps", 5, "--lr", "1e30", "--out", out, "--plot", png)
+    assert code == 2, err
+    assert_one_error_line(err)
+    assert "training diverged (the loss is nan at step 1; params['w0']: 32 NaN of 32 values" in err, err
+    assert "nothing written" in err and "--lr" in err
+    assert stdout == "" and out.read_bytes() == before and not png.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+
+def test_divergence_is_caught_between_progress_checks(monkeypatch):
+    """The loop checks every few steps and at the end; a NaN loss anywhere in the window is found, and
+    the step named is the first non-finite one."""
+    from fnebm.cli import train
+
+    cfg = train._train_config(cli.build_parser().parse_args([*TINY, "--steps", "3"]))[0]
+    state = train._initial(cfg, None)
+    history = torch.tensor([1.0, 2.0, float("nan"), 3.0, float("inf")], dtype=torch.float64)
+    train._check_training(cfg, history, 0, 2, 0, state["params"], state["optimizer"])
+    with pytest.raises(train.Diverged, match=r"the loss is nan at step 12\)"):
+        train._check_training(cfg, history, 0, 5, 10, state["params"], state["optimizer"])
+    params = dict(state["params"], b1=state["params"]["b1"].clone().fill_(float("inf")))
+    with pytest.raises(train.Diverged, match=r"by step 12; params\['b1'\]: 16 inf of 16 values"):
+        train._check_training(cfg, history, 0, 2, 10, params, state["optimizer"])
+
+
 # --------------------------------------------------------------------------- help, docs
 
 

@@ -468,6 +468,84 @@ def test_argument_checks():
             call()
 
 
+LOSSES = {
+    "cd": lambda e, x, k: L.contrastive_divergence(e, x, k, n_steps=1),
+    "cd from noise": lambda e, x, k: L.contrastive_divergence(e, x, k, n_steps=1, init="noise"),
+    "cd through the sampler": lambda e, x, k: L.contrastive_divergence(e, x, k, n_steps=1, grad_through_sampler=True),
+    "pcd": lambda e, x, k: L.persistent_contrastive_divergence(e, x, k, L.pcd_init(x[:4]), n_steps=1),
+    "esm": lambda e, x, k: L.exact_score_matching(e, x, k),
+    "dsm": lambda e, x, k: L.denoising_score_matching(e, x, k),
+    "ssm": lambda e, x, k: L.sliced_score_matching(e, x, k),
+    "esm autocast": lambda e, x, k: L.exact_score_matching(e, x, k, autocast=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_names_an_energy_that_is_not_one_number_per_sample(name):
+    """fnebm's own errors, naming the energy, before any sampler or torch.func transform meets it."""
+    loss, x, k = LOSSES[name], torch.randn(8, 2, dtype=F64), fr.key(0)
+    per_sample = r"energy must return a 0-dim energy for one sample, got shape \(2,\) for a sample of shape \(2,\)"
+    with pytest.raises(ValueError, match=per_sample):
+        loss(lambda v: v * v, x, k)                       # a vector: one value per coordinate
+    with pytest.raises(ValueError, match=r"got shape \(1,\).*lambda x: E\(x\[None\]\)\[0\]"):
+        loss(lambda v: (v * v).sum(-1, keepdim=True), x, k)
+    with pytest.raises(TypeError, match="energy must return a 0-dim tensor, got float"):
+        loss(lambda v: 1.0, x, k)
+    with pytest.raises(TypeError, match="energy must return a floating tensor, got dtype torch.int64"):
+        loss(lambda v: (v * v).sum().long(), x, k)
+    value, _ = loss(lambda v: 0.5 * (v * v).sum(), x, k)  # and the same loss runs on a good energy
+    assert value.ndim == 0 and torch.isfinite(value)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_checks_the_batch_against_an_fnebm_energy(name):
+    loss, k = LOSSES[name], fr.key(0)
+    e3 = E.gaussian(torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match=r"batch of shape \(8, 2\) does not fit the energy: gaussian takes dim == 3"):
+        loss(e3, torch.zeros(8, 2, dtype=F64), k)
+    with pytest.raises(ValueError, match=r"batch must have shape \(n, dim\) for this energy.*got shape \(8, 1, 3\)"):
+        loss(e3, torch.zeros(8, 1, 3, dtype=F64), k)
+    with pytest.raises(TypeError, match="batch has dtype torch.float32 but the energy's parameters are torch.float64"):
+        loss(e3, torch.zeros(8, 3), k)
+
+
+def test_sampler_and_noise_must_take_the_arguments_the_loss_passes():
+    e, x, k = model(), torch.zeros(8, 2, dtype=F64), fr.key(0)
+    with pytest.raises(TypeError, match=r"sampler must be callable as sampler\(energy\) -> SamplingAlgorithm, but "
+                                        r"mala\(energy_fn, step_size\) cannot be.*functools.partial\(fnebm.mala"):
+        L.contrastive_divergence(e, x, k, sampler=fnebm.mala)
+    with pytest.raises(TypeError, match=r"noise must be callable as noise\(key, shape, dtype\)"):
+        L.contrastive_divergence(e, x, k, init="noise", noise=lambda key, shape: torch.zeros(shape))
+
+    class Sampler:  # any callable of one energy is fine: a partial, a class, a function of **kwargs
+        def __call__(self, energy):
+            return fnebm.mala(energy, 0.1)
+
+    for sampler in (functools.partial(fnebm.mala, step_size=0.1), Sampler(), lambda *a, **kw: fnebm.mala(a[0], 0.1)):
+        value, _ = L.contrastive_divergence(e, x, k, sampler=sampler, n_steps=1)
+        assert torch.isfinite(value)
+
+
+def test_exact_score_matching_traces_under_compile_with_autograd_outside():
+    """fnebm train's compiled path: the loss compiled (fullgraph), its parameter gradient taken by
+    autograd outside. jacfwd of the score failed to trace there on torch 2.13 (fnebm train --loss sm
+    crashed); Dynamo's trace alone (backend "eager") shows it, in seconds."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1, bias=False)).double()
+    energy_fn, params = E.from_module(net)
+    x = fr.normal(fr.key(3), (16, 2), F64)
+
+    def loss(params, x):
+        return L.exact_score_matching(E.bind(energy_fn, params), x)[0]
+
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+    value, expected = compiled(leaves, x), loss(leaves, x)
+    torch.testing.assert_close(value, expected)
+    for a, b in zip(torch.autograd.grad(value, tuple(leaves.values())),
+                    torch.autograd.grad(expected, tuple(leaves.values()))):
+        torch.testing.assert_close(a, b)
+
+
 # ------------------------------------------------------------------- one compiled training step
 
 

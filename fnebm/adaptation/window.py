@@ -395,6 +395,12 @@ def window_adaptation(
         ``algorithm(energy_fn, **parameters)`` samples with the tuned values.
     """
     _checks.check_callable("algorithm", algorithm, "algorithm(energy_fn, step_size, inverse_mass_matrix, **extra)")
+    expected = "algorithm(energy_fn, step_size, inverse_mass_matrix, **extra)"
+    _checks.check_signature(
+        "algorithm", algorithm, 3, what=expected,
+        hint="window_adaptation tunes a step size and an inverse mass matrix: give it fnebm.hmc or fnebm.nuts "
+             "(or a functools.partial of one); fnebm.mala and fnebm.langevin take no mass matrix (tune MALA's "
+             "step size alone with fnebm.adaptation.dual_averaging, see docs/api.md)")
     check_energy(energy_fn)
     num_steps = _checks.check_int("num_steps", num_steps, 1)
     diagonal = _check_flag("is_mass_matrix_diagonal", is_mass_matrix_diagonal)
@@ -418,6 +424,8 @@ def window_adaptation(
     for name in ("step_size", "inverse_mass_matrix"):
         if name in extra:
             raise TypeError(f"{name} is what window_adaptation tunes; give initial_{name} instead")
+    _checks.check_signature("algorithm", algorithm, 3, extra, what=expected,
+                            hint="window_adaptation passes its other keyword arguments on to algorithm")
     schedule = build_schedule(num_steps, initial_buffer, first_window, final_buffer)
     fn, bound = _unwrap(algorithm)
     steps_rule = fn is hmc and "num_integration_steps" not in set(extra) | bound

@@ -7,6 +7,7 @@ live in a :class:`~fnebm.chain.runner.RunnerCache`, and timing goes to a callbac
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -46,7 +47,7 @@ torch.serialization.add_safe_globals([ChainState])
 
 def _leaves_with_names(state: Any) -> list[tuple[str, Any]]:
     flat, _ = pytree.tree_flatten_with_path(state)
-    return [(pytree.keystr(path) or "state", leaf) for path, leaf in flat]
+    return [(pytree.keystr(path), leaf) for path, leaf in flat]  # "" for a bare tensor: "state" + name
 
 
 def _chain_shape(state: Any, n: int) -> tuple[int, ...]:
@@ -66,7 +67,34 @@ def _chain_shape(state: Any, n: int) -> tuple[int, ...]:
                 f"every state field must lead with the chain axes {chains}, but state{name} has shape "
                 f"{tuple(x.shape)}; for one chain pass chain_ndim=0 (a state from vmap(alg.init) has one chain axis)"
             )
+    if math.prod(chains) == 0:
+        raise ValueError(f"state has 0 chains: state{named[0][0]} has shape {tuple(first.shape)}, whose chain axes "
+                         f"{chains} hold none; start from positions (n_chains, dim) with n_chains >= 1")
     return chains
+
+
+def _check_sampler_state(step: Any, state: Any) -> None:
+    """fnebm's own sampler steps (``fnebm.mala(...).step``, ...) get their own state type: a plain
+    tensor of positions there is the common slip of passing positions instead of ``vmap(alg.init)``."""
+    func = getattr(step, "func", None)
+    module = getattr(func, "__module__", None)
+    if not isinstance(step, functools.partial) or "energy_fn" not in step.keywords or module not in _STATE_TYPES:
+        return
+    import fnebm.samplers as samplers
+
+    expected = getattr(samplers, _STATE_TYPES[module])
+    if isinstance(state, expected):
+        return
+    got = (f"a tensor of shape {tuple(state.shape)}" if isinstance(state, Tensor) else
+           f"a {type(state).__name__}")
+    fix = (" (positions?): make the state from positions (n_chains, dim) with torch.func.vmap(alg.init)(positions)"
+           if isinstance(state, Tensor) else ": make it with torch.func.vmap(alg.init)(positions)")
+    raise TypeError(f"state must be the sampler's {expected.__name__} (fields {', '.join(expected._fields)}), "
+                    f"got {got}{fix}")
+
+
+_STATE_TYPES = {"fnebm.samplers.mala": "MALAState", "fnebm.samplers.langevin": "LangevinState",
+                "fnebm.samplers.hmc": "HMCState", "fnebm.samplers.nuts": "NUTSState"}
 
 
 def init(state: Any, key: Tensor, *, chain_ndim: int | None = None) -> ChainState:
@@ -155,7 +183,13 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
     ``ledger`` (``compile="auto"``), two more eager steps are timed — the first pays one-time
     costs — and the faster is the first measure of what an eager step costs.
     """
-    new, info = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+    try:
+        new, info = step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
+    except AttributeError as e:  # a step that reads fields, given positions: vmap(alg.init) was forgotten
+        if isinstance(chain.state, Tensor) and "'Tensor' object has no attribute" in str(e):
+            raise TypeError(f"step failed on state, a plain tensor of shape {tuple(chain.state.shape)} ({e}): "
+                            "pass the sampler's state, e.g. torch.func.vmap(alg.init)(positions)") from e
+        raise
     if ledger is not None:
         for _ in range(2):  # the faster of two: one slow step on a busy machine would force a compile
             t0 = time.perf_counter()
@@ -168,6 +202,9 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
         raise ValueError(f"step returned a state of another structure than it was given; {hint}")
     for (name, a), b in zip(_leaves_with_names(chain.state), pytree.tree_leaves(new)):
         if not isinstance(b, Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+            if isinstance(b, Tensor) and b.shape == a.shape:  # the dtype changed: mixed dtypes in the state?
+                raise ValueError(f"step turned state{name} of dtype {a.dtype} into {b.dtype}: give every field of "
+                                 "the state (and the energy's parameters) one floating dtype")
             got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
             raise ValueError(f"step turned state{name} of shape {tuple(a.shape)} into {got}; {hint}")
     chains = tuple(chain.keys.shape[:-1])
@@ -353,6 +390,7 @@ def sample_chain(
             raise TypeError("key must be a key tensor from fnebm.random.key(seed) (None only continues a ChainState)")
         chain = init(state, key, chain_ndim=chain_ndim)
         n = chain.keys.ndim - 1
+    _check_sampler_state(step, chain.state)
     leaves = pytree.tree_leaves(chain.state)
     devices = {x.device for x in leaves}
     if len(devices) > 1 or chain.keys.device not in devices:

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser("sample", help="run a sampler on a named energy", allow_abbrev=False,
                             description="Run a sampler on a named energy and summarise the draws.")
     _add_run_options(sample, demo=False)
-    demo = sub.add_parser("demo", help="MALA on a 2-D Gaussian mixture, with a plot", allow_abbrev=False,
+    demo = sub.add_parser("demo", help="MALA on a correlated 2-D Gaussian, with a plot", allow_abbrev=False,
                           description=f"The first thing to run. Equivalent to: {demo_command()}")
     _add_run_options(demo, demo=True)
     train = sub.add_parser("train", help="train an MLP energy on a 2-D toy data set", allow_abbrev=False,

@@ -626,7 +626,10 @@ def mixing(positions: Tensor, rhat: Tensor, keep: Tensor | None = None) -> dict[
     if keep is not None:  # a mask over all chains; under torchrun, positions hold this rank's block
         keep = keep.to(x.device)
         x = x[:, fdist.shard(keep) if fdist.is_distributed() else keep]
-    means, sds = x.mean(0), x.std(0)
+    if x.shape[1] == 0:  # every chain flagged (or none on this rank): no spread to measure
+        means = sds = x.new_zeros(0)
+    else:
+        means, sds = x.mean(0), x.std(0)
     if fdist.is_distributed():  # the per-chain figures of every rank's chains
         means, sds = fdist.gather_chains(torch.stack([means, sds], -1), dim=0).unbind(-1)
     chains = means.shape[0]

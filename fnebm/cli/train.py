@@ -52,6 +52,7 @@ TETHER = 0.01         # E(x) = MLP(x) + TETHER |x|^2 / 2: exp(-E) stays normalis
 INIT_SCALE = 2.0      # fresh chains (PCD restarts, model samples) start from N(0, INIT_SCALE^2 I)
 LR_FLOOR = 0.05       # with --lr-decay N: the lr falls linearly to LR_FLOOR * lr at step N and stays there
 ADAM = (0.9, 0.999, 1e-8)
+DIVERGENCE_CHECK = 50  # training checks its loss and model for NaN/inf at least this often (steps), and at the end
 SAMPLE_CHAINS = 2000  # chains run from noise after training: the plot's and the MMD's model samples
 EVAL_POINTS = 10_000  # data points of the grid KL's density estimate (and a second set for its floor)
 GRID = 100            # the grid KL's grid: GRID x GRID cells over the data's box
@@ -487,6 +488,63 @@ def _check_resumed(cfg: TrainConfig, state: dict[str, Any]) -> None:
                                         chains.buffer.shape == (cfg.buffer, 2)))
     if not ok:
         raise UsageError(f"--resume {cfg.resume}: damaged checkpoint (its tensors do not match its config)")
+    bad = _nonfinite(_model_tensors(state))
+    if bad:
+        raise UsageError(f"--resume {cfg.resume}: the model in this checkpoint is not finite ({'; '.join(bad)}): "
+                         "it can be neither trained nor sampled; resume from a checkpoint written before the "
+                         "run diverged, or start afresh")
+
+
+def _model_tensors(state: dict[str, Any]) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` for what a model is made of: the parameters, Adam's moments and the
+    persistent chains (and their replay buffer)."""
+    named = [(f"params[{n!r}]", p) for n, p in state["params"].items()]
+    for s in ("m", "v"):
+        named += [(f"optimizer[{s!r}][{n!r}]", t) for n, t in state["optimizer"][s].items()]
+    if state["chains"] is not None:
+        named += [(f"chains.{f}", state["chains"].positions if f == "positions" else state["chains"].buffer)
+                  for f in ("positions", "buffer")]
+    return named
+
+
+def _nonfinite(named: list[tuple[str, Tensor]], limit: int = 3) -> list[str]:
+    """``"params['w1']: 3 NaN, 1 inf of 2048 values"`` for each floating tensor holding a NaN or an
+    inf (the first ``limit``, then a count of the rest); ``[]`` when every one is finite."""
+    found = []
+    for name, t in named:
+        if isinstance(t, Tensor) and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            nan = int(t.isnan().sum())
+            inf = int((~torch.isfinite(t)).sum()) - nan
+            what = " and ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "inf")) if k)
+            found.append(f"{name}: {what} of {t.numel()} values")
+    return found[:limit] + ([f"{len(found) - limit} more tensors"] if len(found) > limit else [])
+
+
+class Diverged(UsageError):
+    """Training reached a non-finite loss or model: one line on stderr, exit status 2, nothing written."""
+
+
+def _check_training(cfg: TrainConfig, history: Tensor, lo: int, hi: int, start: int, params: dict[str, Tensor],
+                    opt: dict[str, Any]) -> None:
+    """Raise :class:`Diverged` when a loss of steps ``lo:hi`` of this run, the parameters or Adam's
+    moments are not finite. Called every few steps (a host sync each time), and after the last."""
+    losses = history[lo:hi]
+    named = _model_tensors(dict(params=params, optimizer=opt, chains=None))
+    # one read: the largest |value| of each tensor is finite exactly when all its values are (NaN propagates)
+    peaks = [t.abs().amax().double() for t in (losses, *(t for _, t in named)) if t.numel()]
+    if bool(torch.isfinite(torch.stack(peaks)).all()):
+        return
+    finite = torch.isfinite(losses)
+    bad = _nonfinite(named)
+    if not bool(finite.all()):
+        j = int((~finite).nonzero()[0, 0])
+        what = f"the loss is {float(losses[j])} at step {start + lo + j}"
+    else:
+        what = f"by step {start + hi}"
+    if bad:
+        what += f"; {'; '.join(bad)}"
+    raise Diverged(f"training diverged ({what}); nothing written: try a smaller --lr"
+                   + ("" if cfg.loss in ("dsm", "ssm", "sm") else " or --step-size"))
 
 
 def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any], float | None, float]:
@@ -512,7 +570,8 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, unit="step", desc="training", file=sys.stderr)
-    every = max(1, cfg.steps // 100)
+    every = max(1, min(cfg.steps // 100, DIVERGENCE_CHECK))
+    checked = 0  # steps whose loss (and the model after them) were checked finite
     compile_s = None
     t0 = time.perf_counter()
     for i in range(cfg.steps):
@@ -529,9 +588,17 @@ def _train_loop(cfg: TrainConfig, state: dict[str, Any]) -> tuple[dict[str, Any]
             _sync(device)
             compile_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-        if bar is not None and ((i + 1) % every == 0 or i + 1 == cfg.steps):
-            bar.set_postfix(loss=f"{float(history[max(0, i + 1 - every):i + 1].mean()):.4g}", refresh=False)
-            bar.update((i + 1) - bar.n)
+        if (i + 1) % every == 0 or i + 1 == cfg.steps:
+            try:  # a model that went non-finite is never trained on, evaluated or saved
+                _check_training(cfg, history, checked, i + 1, start, params, opt)
+            except Diverged:
+                if bar is not None:
+                    bar.close()
+                raise
+            checked = i + 1
+            if bar is not None:
+                bar.set_postfix(loss=f"{float(history[max(0, i + 1 - every):i + 1].mean()):.4g}", refresh=False)
+                bar.update((i + 1) - bar.n)
     _sync(device)
     train_s = time.perf_counter() - t0
     if bar is not None:

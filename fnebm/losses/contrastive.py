@@ -119,6 +119,24 @@ def _check_noise(noise: Any) -> Callable:
     return noise
 
 
+def _named_call(name: str, fn: Callable, args: tuple, what: str, hint: str = "") -> Any:
+    """``fn(*args)``; a ``TypeError`` from a call ``fn``'s signature cannot take is named for the
+    argument (:func:`fnebm._checks.check_signature`). The signature is read on that error only, so
+    a good call pays nothing, and never under compile (no ``try`` in a traced graph)."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    try:
+        return fn(*args)
+    except TypeError:
+        _checks.check_signature(name, fn, len(args), what=what, hint=hint)
+        raise
+
+
+def _noise(noise: Callable, key: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return _named_call("noise", noise, (key, shape, dtype),
+                       "noise(key, shape, dtype) -> Tensor (e.g. fnebm.random.normal)")
+
+
 def _check_positions(name: str, x: Any, batch: Tensor) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a tensor of shape (m, *event), got {type(x).__name__}")
@@ -160,7 +178,9 @@ def _nothing(state: Any) -> tuple:
 
 
 def _algorithm(sampler: Callable, energy: Callable[[Tensor], Tensor]):
-    alg = sampler(energy)
+    alg = _named_call("sampler", sampler, (energy,), "sampler(energy) -> SamplingAlgorithm",
+                      "bind the sampler's other arguments: lambda e: fnebm.mala(e, 0.1) or "
+                      "functools.partial(fnebm.mala, step_size=0.1)")
     if not (callable(getattr(alg, "init", None)) and callable(getattr(alg, "step", None))):
         raise TypeError(f"sampler(energy) must return a SamplingAlgorithm(init, step), got {type(alg).__name__}")
     return alg
@@ -249,6 +269,7 @@ def contrastive_divergence(
     """
     _common.check_energy(energy)
     batch = _common.check_batch(batch)
+    _common.check_fits(energy, batch)
     _common.check_loss_key(key)
     sampler = _check_sampler(sampler)
     n_steps = _checks.check_int("n_steps", n_steps, 1)
@@ -263,13 +284,13 @@ def contrastive_divergence(
         if init == "data":
             start = batch
         elif init == "noise":
-            start = noise(k_init, tuple(batch.shape), batch.dtype)
+            start = _noise(noise, k_init, tuple(batch.shape), batch.dtype)
         else:
             raise ValueError(f"init must be 'data', 'noise' or a tensor of starting points, got {init!r}")
     else:
         start = _check_positions("init", init, batch)
 
-    model = _common.with_autocast(energy, dtype)
+    model = _common.checked(energy, dtype)  # the loss's own evaluations check what the energy returns
     frozen = model if grad_through_sampler else _common.with_autocast(_common.stop_gradient(energy), dtype)
     e_pos = None
     if from_data and not grad_through_sampler:
@@ -281,8 +302,10 @@ def contrastive_divergence(
         if isinstance(start, _CACHES_ENERGY):
             e_pos = start.energy
         start = _common.stop_gradient(start)
-    elif not grad_through_sampler:
-        start = start.detach()
+    else:
+        e_pos = _common.batched(model)(batch)  # before the sampler: a bad energy is named by the loss
+        if not grad_through_sampler:
+            start = start.detach()
     negatives, info = sample_negatives(frozen, start, k_chain, sampler, n_steps, unroll)
     if not grad_through_sampler:
         negatives = negatives.detach()
@@ -337,7 +360,7 @@ def _starts(state: PCDState, key: Tensor, reinit_prob: Tensor | float, noise: Ca
         count = state.count.to(x.dtype)
         idx = torch.floor(fr.uniform(k_pick, (m,), x.dtype) * count).to(torch.int64).clamp(0, size - 1)
         carried = torch.where((state.count > 0).reshape((1, *mask)), state.buffer[idx], x)
-    return torch.where(reinit, noise(k_noise, (m, *event), x.dtype), carried)
+    return torch.where(reinit, _noise(noise, k_noise, (m, *event), x.dtype), carried)
 
 
 def _advance(state: PCDState, negatives: Tensor) -> PCDState:
@@ -386,6 +409,7 @@ def persistent_contrastive_divergence(
     batch = _common.check_batch(batch)
     _common.check_loss_key(key)
     state = _check_state(state, batch)
+    _common.check_fits(energy, batch)
     sampler = _check_sampler(sampler)
     n_steps = _checks.check_int("n_steps", n_steps, 1)
     noise = _check_noise(noise)
@@ -394,8 +418,10 @@ def persistent_contrastive_divergence(
     dtype = _common.check_autocast(autocast)
     k_init, k_chain = fr.split(key)
     start = _starts(state, k_init, reinit_prob, noise)
+    model = _common.checked(energy, dtype)
+    e_pos = _common.batched(model)(batch)  # before the sampler: a bad energy is named by the loss
     frozen = _common.with_autocast(_common.stop_gradient(energy), dtype)
     negatives, info = sample_negatives(frozen, start.detach(), k_chain, sampler, n_steps, unroll)
     negatives = negatives.detach()
-    loss, e_pos, e_neg = _cd_value(_common.with_autocast(energy, dtype), batch, negatives, alpha)
+    loss, e_pos, e_neg = _cd_value(model, batch, negatives, alpha, e_pos)
     return loss, PCDAux(e_pos.detach(), e_neg.detach(), negatives, info, _advance(state, negatives))

@@ -56,7 +56,10 @@ def _exact_term(energy: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     f = functools.partial(_flat, energy, tuple(x.shape))
     x = x.reshape(-1)
     grad = torch.func.grad(f)
-    hessian = torch.func.jacfwd(grad)(x)
+    # forward-over-reverse eagerly; reverse-over-reverse under compile, where torch 2.13 fails to
+    # trace jacfwd of a gradient whose parameters autograd tracks (fnebm train --loss sm crashed)
+    jacobian = torch.func.jacrev if torch.compiler.is_compiling() else torch.func.jacfwd
+    hessian = jacobian(grad)(x)
     g = grad(x)
     return 0.5 * (g * g).sum() - torch.diagonal(hessian).sum()
 
@@ -78,9 +81,10 @@ def exact_score_matching(
     """
     _common.check_energy(energy)
     batch = _common.check_batch(batch)
+    _common.check_fits(energy, batch)
     if key is not None:
         _common.check_loss_key(key)
-    model = _common.with_autocast(energy, _common.check_autocast(autocast))
+    model = _common.checked(energy, _common.check_autocast(autocast))
     per = torch.func.vmap(functools.partial(_exact_term, model))(batch)
     return per.mean(), ScoreMatchingAux(per.detach())
 
@@ -125,9 +129,10 @@ def denoising_score_matching(
     """
     _common.check_energy(energy)
     batch = _common.check_batch(batch)
+    _common.check_fits(energy, batch)
     _common.check_loss_key(key)
     sigma = _check_sigma(sigma, batch)
-    model = _common.with_autocast(energy, _common.check_autocast(autocast))
+    model = _common.checked(energy, _common.check_autocast(autocast))
     n = batch.shape[0]
     k_level, k_noise = fr.split(key)
     if sigma.ndim == 1:
@@ -178,13 +183,14 @@ def sliced_score_matching(
     """
     _common.check_energy(energy)
     batch = _common.check_batch(batch)
+    _common.check_fits(energy, batch)
     _common.check_loss_key(key)
     n_projections = _checks.check_int("n_projections", n_projections, 1)
     if projection not in ("rademacher", "gaussian"):
         raise ValueError(f"projection must be 'rademacher' or 'gaussian', got {projection!r}")
     if not isinstance(variance_reduction, bool):
         raise TypeError(f"variance_reduction must be a bool, got {type(variance_reduction).__name__}")
-    model = _common.with_autocast(energy, _common.check_autocast(autocast))
+    model = _common.checked(energy, _common.check_autocast(autocast))
     shape = (batch.shape[0], n_projections, *batch.shape[1:])
     if projection == "gaussian":
         vs = fr.normal(key, shape, batch.dtype)
