@@ -2,7 +2,7 @@
 axes) and a constructor returning ``SamplingAlgorithm(init, step)``. See :mod:`fnebm.samplers.base`."""
 
 from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
-from fnebm.samplers.flow import flow_sample, log_likelihood
+from fnebm.samplers.flow import flow_sample, log_likelihood, sample_and_log_prob
 from fnebm.samplers.hmc import HMCInfo, HMCState, hmc
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
 from fnebm.samplers.mala import MALAInfo, MALAState, mala
@@ -25,4 +25,5 @@ __all__ = [
     "NUTSInfo",
     "flow_sample",
     "log_likelihood",
+    "sample_and_log_prob",
 ]
