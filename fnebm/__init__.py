@@ -20,6 +20,9 @@ from fnebm.chain import ChainState, sample_chain  # noqa: E402
 from fnebm.gradients import score, value_and_grad  # noqa: E402
 from fnebm.samplers import SamplingAlgorithm, hmc, langevin, mala, nuts, vmap_chains  # noqa: E402
 from fnebm import datasets, interpolants, losses  # noqa: E402
+from fnebm import couplings  # noqa: E402
+from fnebm.samplers import eqm  # noqa: E402
+from fnebm.correction import mcmc_correct  # noqa: E402
 from fnebm.memory import reuse_freed_memory  # noqa: E402
 
 __version__ = "0.1.0"
@@ -46,6 +49,9 @@ __all__ = [
     "datasets",
     "interpolants",
     "losses",
+    "couplings",
+    "eqm",
+    "mcmc_correct",
     "reuse_freed_memory",
 ]
 from fnebm import distributed  # noqa: E402  (chains across processes; the identity in one)

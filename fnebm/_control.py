@@ -37,7 +37,9 @@ def while_loop(
         def same_layout(*old):  # the carry keeps its strides, and never aliases an input
             return tuple(torch.empty_like(o).copy_(n) for o, n in zip(old, body(*old)))
 
-        return tuple(hop(cond, same_layout, tuple(c.contiguous() for c in carry)))
+        # a copy, not .contiguous(): two carry entries that are views of one buffer (an eager
+        # NUTS step's state) make the while_loop's aliasing check fail after the whole trace
+        return tuple(hop(cond, same_layout, tuple(c.clone(memory_format=torch.contiguous_format) for c in carry)))
     while True:
         go = cond(*carry)
         if not _is_wrapped(go):

@@ -75,18 +75,92 @@ def _unrows(values: Tensor, trace: Tensor) -> Tensor:
     return values.reshape(trace.shape[2:]).to(trace.dtype)
 
 
-def _per_element(trace: Tensor, stat: Callable[[Tensor], Any], outputs: int | None = None) -> Any:
-    """Apply ``stat: (D, C, N) -> (D,)`` to every event element of a validated
+class _Local:
+    """Where the chains of a diagnostic are: every reduction over chains goes through here.
+
+    This one holds the chains of one process. ``fnebm.distributed`` subclasses it with the
+    same methods reducing across the ranks of a process group, each rank holding a block of
+    the chains, so the statistics below are written once for both. Rows are ``x: (D, C, N)``
+    with ``C`` this process's chains (or ``2C`` split chains); per-chain statistics
+    ``(D, C)``. Every method here is the plain one-process operation, so the numbers are
+    those of a one-process implementation, bit for bit.
+    """
+
+    def count(self, x: Tensor) -> int:
+        """The number of chains (rows along axis 1) of ``x`` in all: ``C``."""
+        return x.shape[1]
+
+    def chains(self, s: Tensor) -> Tensor:
+        """Per-chain statistics ``(D, C)`` of all the chains, in chain order (split chains:
+        every first half, then every last half)."""
+        return s
+
+    def chain_mean(self, t: Tensor) -> Tensor:
+        """The mean of ``t: (D, C, ...)`` over all the chains (axis 1)."""
+        return t.mean(1)
+
+    def mean(self, x: Tensor) -> Tensor:
+        """The mean of each row ``x: (D, C, N)`` over all chains and draws: ``(D,)``."""
+        return x.flatten(1).mean(-1)
+
+    def std(self, x: Tensor) -> Tensor:
+        """The standard deviation (``ddof=1``) of each row over all chains and draws."""
+        return x.flatten(1).std(-1, correction=1)
+
+    def max(self, t: Tensor) -> Tensor:
+        """The elementwise maximum of a per-process ``t`` over the processes."""
+        return t
+
+    def min(self, t: Tensor) -> Tensor:
+        """The elementwise minimum of a per-process ``t`` over the processes."""
+        return t
+
+    def any(self, t: Tensor) -> Tensor:
+        """The elementwise ``or`` of a per-process boolean ``t`` over the processes."""
+        return t
+
+    def values(self, x: Tensor) -> Tensor:
+        """Every value of each row ``x: (D, C, N)``, in any order: ``(D, C * N)``."""
+        return x.flatten(1)
+
+    def ranks(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The average 1-based rank of each value of ``x: (D, C, N)`` among every value of
+        its row, ties sharing the mean rank: ``(D, C * N)`` float64 (``x.flatten(1)``'s
+        order); and the row's values sorted, ``(D, S)``."""
+        s, order = x.flatten(1).sort(dim=-1)
+        size = s.shape[-1]
+        # A tie group spans sorted positions lo..hi and shares the mean 1-based rank.
+        pos = torch.arange(size, device=x.device).expand_as(s)
+        differ = s[:, 1:] != s[:, :-1]
+        edge = torch.ones_like(differ[:, :1])
+        lo = torch.where(torch.cat([edge, differ], -1), pos, 0).cummax(-1).values
+        hi = torch.where(torch.cat([differ, edge], -1), pos, size).flip(-1).cummin(-1).values
+        hi = hi.flip(-1)
+        rank_sorted = (lo + hi + 2).to(_F64) / 2
+        return torch.empty_like(rank_sorted).scatter_(-1, order, rank_sorted), s
+
+    def acceptance(self, info: Any, layout: str) -> dict[str, Any]:
+        """:func:`acceptance_summary` of ``info`` (already checked for a swap: no warning)."""
+        return _acceptance(info, layout, warn=False, stacklevel=3)
+
+
+_LOCAL = _Local()
+
+
+def _per_element(trace: Tensor, stat: Callable[..., Any], outputs: int | None = None,
+                 ctx: _Local = _LOCAL) -> Any:
+    """Apply ``stat(x, ctx): (D, C, N) -> (D,)`` to every event element of a validated
     ``(draws, chains, *event)`` trace, reshape back. With ``outputs=k``, ``stat`` returns a
-    tuple of ``k`` such tensors (statistics that share work) and so does this."""
+    tuple of ``k`` such tensors (statistics that share work) and so does this. Every process
+    of ``ctx`` cuts the same row blocks."""
     x = _rows(trace)
     if x.shape[0] == 0:  # empty event: nothing to compute (and FFT rejects empty input)
         empty = trace.new_empty(trace.shape[2:])
         return empty if outputs is None else tuple(empty.clone() for _ in range(outputs))
     # ArviZ returns NaN for a variable with any NaN draw (its `_not_valid` check).
-    nan = x.isnan().flatten(1).any(-1)
-    rows = max(1, _BLOCK_DRAWS // (x.shape[1] * x.shape[2]))
-    blocks = [stat(block) for block in x.split(rows)]
+    nan = ctx.any(x.isnan().flatten(1).any(-1))
+    rows = max(1, _BLOCK_DRAWS // (ctx.count(x) * x.shape[2]))
+    blocks = [stat(block, ctx) for block in x.split(rows)]
     if outputs is None:
         return _unrows(torch.where(nan, torch.nan, torch.cat(blocks)), trace)
     return tuple(_unrows(torch.where(nan, torch.nan, torch.cat([b[i] for b in blocks])), trace)
@@ -117,41 +191,32 @@ def _quantile(s: Tensor, prob: float) -> Tensor:
     return (1.0 - gamma) * s[:, k - 1] + gamma * s[:, k]
 
 
-def _z_scale(x: Tensor) -> tuple[Tensor, Tensor]:
+def _z_scale(x: Tensor, ctx: _Local = _LOCAL) -> tuple[Tensor, Tensor]:
     """Rank-normalise each row of ``x: (D, C, N)`` over all its chains and draws: average
     ranks for ties, Blom's offset ``(r - 3/8) / (S + 1/4)``, then the inverse normal CDF.
-    Also returns the sorted rows ``(D, C * N)``, which callers reuse."""
-    s, order = x.flatten(1).sort(dim=-1)
-    size = s.shape[-1]
-    # A tie group spans sorted positions lo..hi and shares the mean 1-based rank.
-    pos = torch.arange(size, device=x.device).expand_as(s)
-    differ = s[:, 1:] != s[:, :-1]
-    edge = torch.ones_like(differ[:, :1])
-    lo = torch.where(torch.cat([edge, differ], -1), pos, 0).cummax(-1).values
-    hi = torch.where(torch.cat([differ, edge], -1), pos, size).flip(-1).cummin(-1).values
-    hi = hi.flip(-1)
-    rank_sorted = (lo + hi + 2).to(_F64) / 2
-    rank = torch.empty_like(rank_sorted).scatter_(-1, order, rank_sorted)
+    Also returns the sorted rows ``(D, S)``, which callers reuse."""
+    rank, s = ctx.ranks(x)
     c = 3 / 8
-    z = torch.special.ndtri((rank - c) / (size - 2 * c + 1))
+    z = torch.special.ndtri((rank - c) / (s.shape[-1] - 2 * c + 1))
     return z.reshape(x.shape), s
 
 
-def _rhat_rows(x: Tensor) -> Tensor:
+def _rhat_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
     """Classic R̂ of ``x: (D, C, N)`` (ArviZ ``_rhat``)."""
     n = x.shape[-1]
-    between = n * x.mean(-1).var(-1, correction=1)
-    within = x.var(-1, correction=1).mean(-1)
+    between = n * ctx.chains(x.mean(-1)).var(-1, correction=1)
+    within = ctx.chains(x.var(-1, correction=1)).mean(-1)
     return torch.sqrt((between / within + n - 1) / n)
 
 
-def _mean_autocov(x: Tensor) -> Tensor:
+def _mean_autocov(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
     """Biased (divided by N) autocovariance at every lag of ``x: (D, C, N)``, averaged
     over chains: ``(D, N)``. By FFT; zero-padding to 2N makes the circular correlation
-    the linear one, and averaging the power spectra first saves C - 1 inverse FFTs."""
+    the linear one, and averaging the power spectra first saves C - 1 inverse FFTs (and
+    across processes, moves one spectrum per row instead of the chains)."""
     n = x.shape[-1]
     f = torch.fft.rfft(x - x.mean(-1, keepdim=True), n=2 * n)
-    power = (f.real.square() + f.imag.square()).mean(1)
+    power = ctx.chain_mean(f.real.square() + f.imag.square())
     return torch.fft.irfft(power, n=2 * n)[..., :n] / n
 
 
@@ -182,66 +247,70 @@ def _geyer_ess(rho: Tensor, c: int, n: int) -> Tensor:
     return out
 
 
-def _ess_rows(x: Tensor) -> Tensor:
+def _ess_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
     """ESS of ``x: (D, C, N)`` (ArviZ ``_ess``) with Geyer's initial positive and initial
     monotone sequences, vectorised: ArviZ's two while-loops become a count of leading
     positive pair sums and a ``cummin`` over them. Pair sums within ``_PAIR_TIE_TOL`` of
     0 count as 0, the exact-arithmetic branch."""
-    _, c, n = x.shape
+    n = x.shape[-1]
+    c = ctx.count(x)
     flat = x.flatten(1)
-    constant = (flat.amax(-1) - flat.amin(-1)) < torch.finfo(_F64).resolution
+    constant = (ctx.max(flat.amax(-1)) - ctx.min(flat.amin(-1))) < torch.finfo(_F64).resolution
 
-    acov = _mean_autocov(x)
+    acov = _mean_autocov(x, ctx)
     mean_var = acov[:, 0] * n / (n - 1.0)
     var_plus = mean_var * (n - 1.0) / n
     if c > 1:
-        var_plus = var_plus + x.mean(-1).var(-1, correction=1)
+        var_plus = var_plus + ctx.chains(x.mean(-1)).var(-1, correction=1)
     rho = 1.0 - (mean_var[:, None] - acov) / var_plus[:, None]  # (D, N)
     rho = torch.cat([torch.ones_like(rho[:, :1]), rho[:, 1:]], dim=-1)  # ArviZ pins lag 0 to 1
 
     return torch.where(constant, float(c * n), _geyer_ess(rho, c, n))
 
 
-def _rhat_rank_rows(x: Tensor) -> Tensor:
-    if x.shape[1] < 2:  # ArviZ requires 2 chains before splitting
-        return torch.full_like(x[:, 0, 0], torch.nan)
-    split = _split_chains(x)
-    z, s = _z_scale(split)
-    bulk = _rhat_rows(z)
-    tail = _rhat_rows(_z_scale((split - _median(s)[:, None, None]).abs())[0])
+def _folded_rhat(split: Tensor, z: Tensor, s: Tensor, ctx: _Local) -> Tensor:
+    """Rank R̂ of split rows ``split`` from their rank-normalised ``z`` and sorted values
+    ``s``: the larger of the bulk R̂ and the R̂ of the folded draws ``|x - median|``."""
+    bulk = _rhat_rows(z, ctx)
+    tail = _rhat_rows(_z_scale((split - _median(s)[:, None, None]).abs(), ctx)[0], ctx)
     return torch.where(tail > bulk, tail, bulk)  # Python max(bulk, tail): NaN bulk wins
 
 
-def _ess_bulk_rows(x: Tensor) -> Tensor:
-    return _ess_rows(_z_scale(_split_chains(x))[0])
+def _rhat_rank_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    if ctx.count(x) < 2:  # ArviZ requires 2 chains before splitting
+        return torch.full_like(x[:, 0, 0], torch.nan)
+    split = _split_chains(x)
+    return _folded_rhat(split, *_z_scale(split, ctx), ctx)
 
 
-def _ess_tail_rows(x: Tensor, s: Tensor | None = None) -> Tensor:
-    """``s``: the sorted rows of ``x.flatten(1)``, when a caller has them."""
+def _ess_bulk_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    return _ess_rows(_z_scale(_split_chains(x), ctx)[0], ctx)
+
+
+def _ess_tail_rows(x: Tensor, ctx: _Local = _LOCAL, s: Tensor | None = None) -> Tensor:
+    """``s``: the sorted values of every row of ``x``, when a caller has them."""
     if s is None:
-        s = x.flatten(1).sort(dim=-1).values
+        s = ctx.values(x).sort(dim=-1).values
     low, high = (
-        _ess_rows(_split_chains((x <= _quantile(s, p)[:, None, None]).to(_F64)))
+        _ess_rows(_split_chains((x <= _quantile(s, p)[:, None, None]).to(_F64)), ctx)
         for p in (0.05, 0.95)
     )
     return torch.where(high < low, high, low)  # Python min(low, high), as ArviZ
 
 
-def _rank_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _rank_rows(x: Tensor, ctx: _Local = _LOCAL) -> tuple[Tensor, Tensor, Tensor]:
     """``(rhat, ess_bulk, ess_tail)`` of ``x: (D, C, N)``, as the three functions above give
     them, with two sorts instead of four: the rank-normalised split chains serve R̂ and the
     bulk ESS, and with an even ``N`` their sorted values are the draws' (the split keeps every
     draw), which the tail ESS's quantiles need."""
     split = _split_chains(x)
-    z, s = _z_scale(split)
-    if x.shape[1] < 2:  # ArviZ requires 2 chains before splitting
+    z, s = _z_scale(split, ctx)
+    if ctx.count(x) < 2:  # ArviZ requires 2 chains before splitting
         rhat = torch.full_like(x[:, 0, 0], torch.nan)
     else:
-        bulk = _rhat_rows(z)
-        tail = _rhat_rows(_z_scale((split - _median(s)[:, None, None]).abs())[0])
-        rhat = torch.where(tail > bulk, tail, bulk)  # Python max(bulk, tail): NaN bulk wins
-    ess_tail = _ess_tail_rows(x, s if x.shape[-1] % 2 == 0 else None)
-    return rhat, _ess_rows(z), ess_tail
+        rhat = _folded_rhat(split, z, s, ctx)
+    ess_tail = _ess_tail_rows(x, ctx, s if x.shape[-1] % 2 == 0 else None)
+    return rhat, _ess_rows(z, ctx), ess_tail
 
 
 # ----------------------------------------------------------------------------- layout
@@ -386,8 +455,8 @@ def ess_tail(trace: Tensor, *, layout: str | None = None) -> Tensor:
     return _per_element(_as_draws_chains(trace, layout), _ess_tail_rows)
 
 
-def _ess_mean_rows(x: Tensor) -> Tensor:
-    return _ess_rows(_split_chains(x))
+def _ess_mean_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    return _ess_rows(_split_chains(x), ctx)
 
 
 def ess(trace: Tensor, *, layout: str | None = None) -> Tensor:
@@ -405,15 +474,23 @@ def ess(trace: Tensor, *, layout: str | None = None) -> Tensor:
     return _per_element(_as_draws_chains(trace, layout), _ess_mean_rows)
 
 
-def _mcse_mean_rows(x: Tensor) -> Tensor:
-    return x.flatten(1).std(-1, correction=1) / _ess_mean_rows(x).sqrt()
+def _mean_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    return ctx.mean(x)
 
 
-def _mcse_sd_rows(x: Tensor) -> Tensor:
+def _std_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    return ctx.std(x)
+
+
+def _mcse_mean_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
+    return ctx.std(x) / _ess_mean_rows(x, ctx).sqrt()
+
+
+def _mcse_sd_rows(x: Tensor, ctx: _Local = _LOCAL) -> Tensor:
     """ArviZ ``_mcse_sd``: the delta method on the squared deviations from the mean."""
-    dev2 = (x - x.flatten(1).mean(-1)[:, None, None]).square()
-    evar = dev2.flatten(1).mean(-1)
-    varvar = (dev2.square().flatten(1).mean(-1) - evar.square()) / _ess_mean_rows(dev2)
+    dev2 = (x - ctx.mean(x)[:, None, None]).square()
+    evar = ctx.mean(dev2)
+    varvar = (ctx.mean(dev2.square()) - evar.square()) / _ess_mean_rows(dev2, ctx)
     return (varvar / evar / 4).sqrt()
 
 
@@ -520,14 +597,25 @@ def acceptance_summary(info: Any, *, layout: str | None = None) -> dict[str, Any
     return _acceptance(info, layout, warn=not stated, stacklevel=3)
 
 
-def _stats(trace: Tensor) -> dict[str, Tensor]:
+# Each public per-element statistic's rows function, for fnebm.distributed's.
+_ROWS = {
+    "rhat": _rhat_rank_rows,
+    "ess_bulk": _ess_bulk_rows,
+    "ess_tail": _ess_tail_rows,
+    "ess": _ess_mean_rows,
+    "mcse_mean": _mcse_mean_rows,
+    "mcse_sd": _mcse_sd_rows,
+}
+
+
+def _stats(trace: Tensor, ctx: _Local = _LOCAL) -> dict[str, Tensor]:
     """Every per-element statistic of a validated ``(draws, chains, *event)`` trace."""
     return {
-        "mean": _per_element(trace, lambda x: x.flatten(1).mean(-1)),
-        "std": _per_element(trace, lambda x: x.flatten(1).std(-1, correction=1)),
-        "mcse_mean": _per_element(trace, _mcse_mean_rows),
-        "mcse_sd": _per_element(trace, _mcse_sd_rows),
-    } | dict(zip(("rhat", "ess_bulk", "ess_tail"), _per_element(trace, _rank_rows, outputs=3)))
+        "mean": _per_element(trace, _mean_rows, ctx=ctx),
+        "std": _per_element(trace, _std_rows, ctx=ctx),
+        "mcse_mean": _per_element(trace, _mcse_mean_rows, ctx=ctx),
+        "mcse_sd": _per_element(trace, _mcse_sd_rows, ctx=ctx),
+    } | dict(zip(("rhat", "ess_bulk", "ess_tail"), _per_element(trace, _rank_rows, 3, ctx)))
 
 
 def summary(trace: Tensor, info: Any = None, *, layout: str | None = None) -> dict[str, Any]:
@@ -544,10 +632,14 @@ def summary(trace: Tensor, info: Any = None, *, layout: str | None = None) -> di
         ``mcse_sd``, ``rhat``, ``ess_bulk``, ``ess_tail`` -- each ``event``-shaped in
         ``trace.dtype`` -- plus the acceptance keys when ``info`` is given.
     """
-    trace = _as_draws_chains(trace, layout)
-    out: dict[str, Any] = _stats(trace)
+    return _summary(_as_draws_chains(trace, layout), info, layout)
+
+
+def _summary(trace: Tensor, info: Any, layout: Any, ctx: _Local = _LOCAL) -> dict[str, Any]:
+    """:func:`summary` of a validated trace, the chains where ``ctx`` says."""
+    out: dict[str, Any] = _stats(trace, ctx)
     if info is not None:  # the trace was checked for a swap; one warning is enough
-        out.update(_acceptance(info, _check_layout(layout)[0], warn=False, stacklevel=3))
+        out.update(ctx.acceptance(info, _check_layout(layout)[0]))
     return out
 
 
@@ -635,7 +727,12 @@ def summary_table(
         A :class:`SummaryTable`; ``print`` shows the columns ``mean, sd, mcse_mean,
         mcse_sd, ess_bulk, ess_tail, r_hat`` rounded as ``az.summary`` rounds them.
     """
-    trace = _as_draws_chains(trace, layout)
+    return _summary_table(_as_draws_chains(trace, layout), info, layout, var_name, names)
+
+
+def _summary_table(trace: Tensor, info: Any, layout: Any, var_name: Any, names: Any,
+                   ctx: _Local = _LOCAL) -> SummaryTable:
+    """:func:`summary_table` of a validated trace, the chains where ``ctx`` says."""
     if not isinstance(var_name, str) or not var_name:
         raise TypeError(f"var_name must be a non-empty str; got {var_name!r}")
     event = tuple(trace.shape[2:])
@@ -651,11 +748,11 @@ def summary_table(
                 f"names must have one label per event element ({size} for event shape "
                 f"{event}); got {len(labels)}"
             )
-    stats = _stats(trace)
+    stats = _stats(trace, ctx)
     values = torch.stack([stats[k].reshape(-1).to("cpu", _F64) for k in _KEYS], dim=-1)
     sampler: dict[str, float | int] = {}
     if info is not None:
-        acc = _acceptance(info, _check_layout(layout)[0], warn=False, stacklevel=3)
+        acc = ctx.acceptance(info, _check_layout(layout)[0])
         acc.pop("per_chain_acceptance_rate", None)
         sampler = {k: v if isinstance(v, int) else float(v) for k, v in acc.items()}
     return SummaryTable(labels, _COLUMNS, values, sampler)

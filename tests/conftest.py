@@ -75,3 +75,10 @@ def langevin_run(langevin_alg, start):
     """Compiled unadjusted Langevin: 400 burn-in + 200 kept steps over N_CHAINS chains."""
     state = torch.func.vmap(langevin_alg.init)(start)
     return fnebm.sample_chain(langevin_alg.step, state, fr.key(2), 200, burn_in=400, compile=True, progress=False)
+
+
+def pytest_configure(config):
+    # A compiled test that quietly fell back to eager would still pass: make the fallback's warning an
+    # error. Here, not in pyproject.toml: an ini filter naming fnebm's class imports fnebm (and
+    # Triton with it) before this file sets TRITON_INTERPRET, and every Triton test then fails.
+    config.addinivalue_line("filterwarnings", "error::fnebm.chain.runner.CompileFallbackWarning")

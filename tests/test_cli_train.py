@@ -255,3 +255,42 @@ def test_docs_cover_the_command():
         assert f"`{option}" in section, option
     for name in (*cli.TRAIN_LOSSES, *cli.TRAIN_SAMPLERS, *datasets.DATASETS):
         assert f"`{name}`" in section, name
+
+
+# ----------------------------------------------------------------- flow and EqM objectives
+
+
+@pytest.mark.parametrize("objective", ["flow", "eqm"])
+def test_generative_objectives_train_checkpoint_plot_and_resume_bit_exact(objective, tmp_path, capsys):
+    gen = ["train", "--objective", objective, "--batch", "64", "--hidden", "16", "--sample-steps", "4",
+           "--device", "cpu", "--no-progress", "--no-compile"]
+    code, out, err = run(capsys, *gen, "--steps", 4, "--out", tmp_path / "four.pt", "--plot", tmp_path / "four.png")
+    assert code == 0, err
+    assert "KL           n/a" in out and "MMD^2" in out
+    ckpt = torch.load(tmp_path / "four.pt")
+    assert ckpt["config"]["loss"] == objective and ckpt["chains"] is None and ckpt["step"] == 4
+    din = 3 if objective == "flow" else 2
+    assert {n: tuple(p.shape) for n, p in ckpt["params"].items()} == {
+        "w0": (din, 16), "b0": (16,), "w1": (16, 16), "b1": (16,), "w2": (16, 2), "b2": (2,)}
+    assert (tmp_path / "four.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert run(capsys, *gen, "--steps", 2, "--out", tmp_path / "two.pt")[0] == 0
+    code, out, err = run(capsys, "train", "--resume", tmp_path / "two.pt", "--steps", 2, "--sample-steps", 4,
+                         "--device", "cpu", "--no-progress", "--no-compile", "--out", tmp_path / "resumed.pt")
+    assert code == 0, err
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "four.pt")
+    assert a["step"] == b["step"] == 4 and torch.equal(a["losses"], b["losses"])
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+        assert torch.equal(a["optimizer"]["m"][name], b["optimizer"]["m"][name]), name
+
+
+def test_objective_is_loss_and_generative_refusals(tmp_path, capsys):
+    code, out, _ = run(capsys, "train", "--help")
+    assert "--objective" in out
+    code, _, err = run(capsys, "train", "--objective", "score", "--steps", 1, "--device", "cpu")
+    assert code == 2 and "unknown loss 'score'" in err
+    assert_one_error_line(err)
+    code, _, err = run(capsys, "train", "--objective", "flow", "--layout", "per-example", "--steps", 1,
+                       "--device", "cpu", "--no-progress")
+    assert code == 2 and "--layout batch" in err
+    assert "`--objective" in DOCS.read_text()

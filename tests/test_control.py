@@ -61,3 +61,23 @@ def test_eager_under_vmap_each_lane_stops_on_its_own_condition():
 
     x = torch.tensor([0.5, 3.0, 40.0], dtype=torch.float64)
     torch.testing.assert_close(torch.func.vmap(halve_until_small)(x), torch.tensor([0.5, 0.75, 0.625], dtype=torch.float64))
+
+
+def test_compiled_carry_may_alias_itself():
+    """Two carry entries that are views of one buffer (an eager NUTS step's state is such) compile."""
+
+    def cond(i, a, b):
+        return i < 3
+
+    def body(i, a, b):
+        return i + 1, a + b, b * 0.5
+
+    def run(buf):
+        a, b = buf[0], buf[1]
+        return while_loop(cond, body, (torch.zeros((), dtype=torch.int64), a, b))
+
+    buf = torch.arange(6.0).reshape(2, 3)
+    got = torch.compile(run, backend="aot_eager", fullgraph=True)(buf)
+    want = run(buf.clone())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

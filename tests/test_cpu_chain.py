@@ -191,6 +191,72 @@ def test_chunks_continuations_and_out_buffers_are_exact():
     assert torch.equal(bufs[1].is_divergent, info.is_divergent)
 
 
+def test_launches_cut_by_time_give_the_same_draws(monkeypatch):
+    # the C kernel's launches are cut to about be._SLICE_S each (so that Ctrl-C is seen): any cut,
+    # within a burn-in, across kept steps, gives the bits of one launch
+    alg = fnebm.mala(energies.harmonic(2.0), 0.2)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (40, 3)))
+    kw = dict(burn_in=13, thin=3, backend="c", progress=False, collect=fnebm.chain.position_and_energy)
+    whole = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw)
+    monkeypatch.setattr(be, "_FIRST_SLICE_WORK", 200)  # a first launch of 1 step, then 8x, 64x, ...
+    monkeypatch.setattr(be, "_SLICE_S", 1e-9)  # ... or as the rate says: 1 step each
+    seen = []
+    cut = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, on_chunk=lambda d, t, s: seen.append(d))
+    assert seen == list(range(1, 74)) and torch.equal(cut[1][0], whole[1][0]) and torch.equal(cut[1][1], whole[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(cut[2], whole[2]))
+    assert torch.equal(cut[0].state.position, whole[0].state.position)
+    monkeypatch.setattr(be, "_SLICE_S", 1e9)
+    seen.clear()
+    grown = fnebm.sample_chain(alg.step, state, fr.key(1), 60, **kw, chunk_size=20, on_chunk=lambda d, t, s: seen.append(d))
+    assert seen == [1, 9, 29, 49, 69, 73] and torch.equal(grown[1][0], whole[1][0])  # 8x each, at most chunk_size
+
+
+def test_the_next_launch_is_sized_by_the_measured_rate():
+    assert be._next_slice(100, be._SLICE_S / 2, 10**9) == 200
+    assert be._next_slice(100, be._SLICE_S * 10, 10**9) == 10
+    assert be._next_slice(100, 0.0, 10**9) == 800 and be._next_slice(100, 1e-9, 10**9) == 800  # at most 8x
+    assert be._next_slice(100, 1e-9, 150) == 150 and be._next_slice(1, 1e3, 10) == 1
+    x = torch.zeros(4000, 10)
+    assert be._first_slice(x) == be._first_slice(x, energies.harmonic(1.0)) == (1 << 24) // 40000
+    full = energies.gaussian(torch.zeros(10), torch.eye(10) + 0.5)  # d multiply-adds an element
+    assert be._first_slice(x, full) == (1 << 24) // 400000 and not full.is_diagonal
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="waits for the library in /proc/<pid>/maps")
+def test_ctrl_c_stops_a_long_c_kernel_run_promptly_and_keeps_earlier_outputs(tmp_path):
+    # fnebm sample on a run of about ten minutes in the C kernel, interrupted a second after the
+    # kernel's library is mapped (the run starts then): one line and exit 130 while the launch
+    # in progress ends (about be._SLICE_S), not when a twentieth of the run has (minutes)
+    import select
+    import signal
+    import time
+
+    out = tmp_path / "draws.pt"
+    out.write_bytes(b"an earlier run's draws")
+    cmd = [sys.executable, "-m", "fnebm", "sample", "--energy", "gaussian", "--dim", "10", "--sampler", "mala",
+           "--chains", "4000", "--steps", "2000000", "--thin", "2000000", "--burn-in", "0", "--no-progress",
+           "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "cpu_chain-" not in open(f"/proc/{p.pid}/maps").read():
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() else "no start"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        ready, _, _ = select.select([p.stderr], [], [], 5.0)  # the line, within seconds of Ctrl-C
+        assert ready, "no line on stderr within 5 s of SIGINT"
+        assert p.stderr.readline() == "fnebm: interrupted\n"
+        assert p.wait(timeout=120) == 130
+        assert p.stderr.read() == "" and p.stdout.read() == ""
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert out.read_bytes() == b"an earlier run's draws"  # docs/cli.md: writes are atomic
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["draws.pt"]
+
+
 @pytest.mark.parametrize("case, match", [
     ("wrapped", "fnebm.langevin"),
     ("float64", "float32"),
@@ -224,6 +290,8 @@ def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
         "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, compile=False, on_plan=plans.append)\n"
         "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, on_plan=plans.append)\n"
         "assert not plans[-1].kernel, plans\n"
+        "assert 'the C kernel covers this run but could not be used (no C compiler found' in plans[-1].reason\n"
+        "assert 'C kernel' not in plans[0].reason  # compile=False: the kernel would not run anyway\n"
         "try:\n"
         "    fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend='c', progress=False)\n"
         "except ValueError as exc:\n"
@@ -242,10 +310,12 @@ def test_the_library_is_built_once_and_then_loaded(tmp_path):
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     built = sorted(p for p in tmp_path.iterdir() if p.suffix != ".lock")  # the build's lock file stays
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    # the library and its checksum record; no temporary file left behind
+    assert [p.suffix for p in built] == [".so", ".sha256"] and built[1].name == built[0].name + ".sha256"
     stamp = built[0].stat().st_mtime_ns
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0 and second.stdout == first.stdout
+    second = subprocess.run([sys.executable, "-c", code + "; print(cpu_chain.build_seconds())"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.splitlines() == [first.stdout.strip(), "0.0"]
     assert built[0].stat().st_mtime_ns == stamp
 
 

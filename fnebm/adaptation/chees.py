@@ -192,7 +192,9 @@ def chees_adaptation(
         decay_rate: the final values average the iterates with weights ``t^(-decay_rate)``.
         jitter_amount: the trajectory length is ``T (1 - a + a u)``, ``u`` in (0, 1] (Halton).
         max_leapfrog_steps: caps the trajectory.
-        compile: run the warm-up as one compiled graph (``False``: eagerly, same result).
+        compile: run the warm-up as one compiled graph (``False``: eagerly, same result). A
+            compile that fails runs it eagerly instead, with one
+            :class:`~fnebm.chain.runner.CompileFallbackWarning` (see :func:`fnebm.sample_chain`).
         cache: the :class:`fnebm.chain.RunnerCache` holding the compiled warm-up (default: the
             process-wide one).
 

@@ -385,7 +385,9 @@ def window_adaptation(
         ``position_or_state``: positions ``(*chains, d)`` or a sampler state of the algorithm;
         ``key``: one key ``(2,)``. ``compile`` (``True``, ``False`` or ``"auto"``) and
         ``on_plan`` (told before the warm-up whether it compiles, and why) are
-        :func:`fnebm.sample_chain`'s.
+        :func:`fnebm.sample_chain`'s; so is the fallback: a compile that fails on your energy
+        runs the warm-up eagerly instead (the same result), with one
+        :class:`~fnebm.chain.runner.CompileFallbackWarning`.
         ``parameters`` has ``step_size`` (the averaged dual-averaging iterate: 0-dim pooled, or
         ``chains``), ``inverse_mass_matrix`` (a :class:`~fnebm.integrators.metrics.Diagonal` or
         :class:`~fnebm.integrators.metrics.Dense`, shared or per chain) and the ``extra``

@@ -13,7 +13,8 @@ chunked or not, in one call or continued across calls.
 """
 
 from fnebm.chain.loop import position_and_energy, run
-from fnebm.chain.runner import RunnerCache, RunPlan, default_cache
+from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, default_cache
 from fnebm.chain.sample import ChainState, init, sample_chain
 
-__all__ = ["sample_chain", "run", "position_and_energy", "init", "ChainState", "RunnerCache", "RunPlan", "default_cache"]
+__all__ = ["sample_chain", "run", "position_and_energy", "init", "ChainState", "RunnerCache", "RunPlan", "default_cache",
+           "CompileFallbackWarning"]

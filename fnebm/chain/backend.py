@@ -16,7 +16,7 @@ A kernel serves a run only when it computes exactly what the run asks for:
 
 The C kernel (:mod:`fnebm.kernels.cpu_chain`) serves the same runs on a CPU, for Langevin and
 MALA on a double well, harmonic, Rastrigin or Gaussian energy (diagonal or full), once the system C
-compiler has built it (about 1.5 s, cached on disk).
+compiler has built it (once per machine, cached on disk; build times in docs/performance.md).
 
 ``"auto"`` takes the Triton kernel on a CUDA device and the C kernel on the CPU when all of that
 holds — on the CPU only when ``compile`` is not ``False``, which asks for the eager steps — and
@@ -41,12 +41,13 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fnebm.chain.loop import needs_grad, position, position_and_energy
-from fnebm.chain.schedule import chunks, kept_in
+from fnebm.chain.schedule import kept_in
 # fnebm.samplers exports the constructors langevin and mala, which hide these modules' names
 _langevin = importlib.import_module("fnebm.samplers.langevin")
 _mala = importlib.import_module("fnebm.samplers.mala")
 
-__all__ = ["BACKENDS", "check_backend", "compile_setting", "kernel_runner", "why_not"]
+__all__ = ["BACKENDS", "UNAVAILABLE", "check_backend", "compile_setting", "kernel_runner", "unavailable_kernel",
+           "why_not"]
 
 BACKENDS = ("auto", "triton", "c", "compiled", "eager")
 
@@ -194,6 +195,41 @@ def why_not(step: Any, chain: Any, collect: Callable) -> str | None:
     return _covered(lc, step, chain, energy, step_size, noise_scale, max_dim=lc.MAX_DIM)
 
 
+UNAVAILABLE = "covers this run but could not be used"  # in the note of unavailable_kernel
+
+
+def unavailable_kernel(step: Any, chain: Any, collect: Callable, backend: str, compile: Any) -> str | None:
+    """A note for ``on_plan`` when a C kernel covers this CPU run under ``backend="auto"`` but its
+    library did not build or load (no compiler, a failed build, a damaged cache that could not be
+    rebuilt): ``"the C kernel covers this run but could not be used (why)"``; else ``None``.
+
+    The whole-chain kernel (Langevin, MALA; not under ``compile=False``) and the NUTS kernel,
+    which a ``fnebm.nuts(...).step`` takes by itself, are checked. It asks the library only where
+    everything else fits, after :func:`kernel_runner` has (no second build is tried)."""
+    if backend != "auto" or chain.keys.device.type != "cpu":
+        return None
+    nuts = importlib.import_module("fnebm.samplers.nuts")
+    if (isinstance(step, functools.partial) and step.func is nuts._step and step.keywords.get("backend") == "auto"
+            and type(chain.state) is nuts.NUTSState):
+        x = chain.state.position
+        energy = step.keywords.get("energy_fn")
+        if _cpu_module().covers(energy) is not None or x.dtype != torch.float32 or energy.dtype != x.dtype:
+            return None
+        why = importlib.import_module("fnebm.kernels.cpu_nuts").available()
+        return None if why is None else f"the NUTS C kernel {UNAVAILABLE} ({why}); the torch kernel ran"
+    if compile is False:
+        return None
+    found = _sampler_and_state(step, chain)
+    if isinstance(found, str) or (collect is not position and collect is not position_and_energy):
+        return None
+    _, energy, step_size, noise_scale = found
+    cc = _cpu_module()
+    if _covered(cc, step, chain, energy, step_size, noise_scale, max_dim=None) is not None:
+        return None
+    why = cc.available()
+    return None if why is None else f"the C kernel {UNAVAILABLE} ({why})"
+
+
 def kernel_runner(step: Any, chain: Any, n_steps: int, *, burn_in: int, thin: int, collect: Callable,
                   backend: str, compile: Any = "auto") -> Callable[..., tuple[Any, Any, Any]] | None:
     """A runner that serves this ``sample_chain`` call with a hand-written kernel, or ``None``.
@@ -290,19 +326,31 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
 
         bar = tqdm(total=total, unit="step", desc=f"sampling ({engine})", file=sys.stderr)
     e, g = state.energy, state.grad
+    # The C kernel's launches are also cut by time (_SLICE_S each): Python raises a Ctrl-C's
+    # KeyboardInterrupt only once a ctypes call returns, so a launch's length bounds the wait.
+    # Any cut gives the same draws (step t's key is fold_in(key, t) wherever a launch starts).
+    timed = engine == "c"
+    size = min(chunk_size, _first_slice(x, energy)) if timed else max(chunk_size, 2)
+    a = 0
     try:
-        for a, b in chunks(total, chunk_size):
+        while a < total:
+            b = min(total, a + size)
+            if total - b == 1 and not timed:  # as fnebm.chain.schedule.chunks: no lone last step
+                b = total
             t0 = time.perf_counter()
             k = kept_in(a, b, burn_in, thin, n_kept)
             first, n_keep, j0 = (k.lo, k.j1 - k.j0, k.j0) if k is not None else (b - a, 0, 0)
             x, e, g = lc.run_into(energy, x, e, g, keys, chain.steps_taken + a, h, s, outputs, mala=kind == "mala",
                                   n_total=b - a, first=first, thin=thin, n_keep=n_keep, j0=j0, **more)
+            if timed:
+                size = _next_slice(b - a, time.perf_counter() - t0, chunk_size)
             if on_chunk is not None:
                 if x.device.type != "cpu":
                     torch.accelerator.synchronize(x.device)
                 on_chunk(b, total, time.perf_counter() - t0)
             if bar is not None:
                 bar.update(b - a)
+            a = b
     finally:
         if bar is not None:
             bar.close()
@@ -312,6 +360,29 @@ def _run(step, chain, n_steps: int, burn_in: int, thin: int, *, engine: str, col
         trace, info = copy_to
     final = type(state)(x, e, g)
     return ChainState(final, keys, chain.steps_taken + total), trace, info
+
+
+_SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C is seen)
+# The first launch's work, before a rate is measured: steps x chains x elements (x d for a full
+# Gaussian, d multiply-adds an element). 2**24 is about 50 ms at W1's rate on 2 quiet cores of this
+# project's CPU host (29 ms for 10**7), 0.4 s at load average 6 there; W1 and W3 (10,000 chains x
+# 10 x 100 steps) stay one launch (two launches cost them 1.10x and 1.16x at that load).
+_FIRST_SLICE_WORK = 1 << 24
+_GROWTH = 8  # a launch is at most this many times the one before
+
+
+def _first_slice(x: Tensor, energy: Any = None) -> int:
+    """The first launch's steps, before a rate is measured: tens of milliseconds' work."""
+    work = x.numel() * (x.shape[-1] if getattr(energy, "is_diagonal", True) is False else 1)
+    return max(1, _FIRST_SLICE_WORK // max(1, work))
+
+
+def _next_slice(steps: int, seconds: float, limit: int) -> int:
+    """The next launch's steps: about ``_SLICE_S`` at the rate just measured, at most ``_GROWTH``
+    times the last (one fast launch on a noisy machine does not make the next one long) and at
+    most ``limit``."""
+    fit = int(_SLICE_S * steps / seconds) if seconds > 0 else _GROWTH * steps
+    return max(1, min(limit, _GROWTH * steps, fit))
 
 
 def _per_chain(value: Tensor, x: Tensor, chains: tuple[int, ...]) -> Tensor:

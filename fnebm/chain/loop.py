@@ -70,6 +70,11 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
             outs.append(out)
         kept, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
         return state, kept, info
+    # the state is copied inside the graph first: torch's scan and while_loop refuse a carry that
+    # shares memory with another of their inputs ("scan might be aliasing the input or the
+    # output!"), and a state's fields often do (an eager NUTS step returns its position and
+    # gradient as views of one stacked tensor; Inductor may return them as slices of one buffer)
+    state = pytree.tree_map(torch.clone, state)
     # scan carries and emits flat tuples of tensors only: learn the trees' structures from one
     # traced step first (pure, unused: the compiler drops it)
     probe, probe_info = step(state, fr.fold_in(keys, ts[0]))

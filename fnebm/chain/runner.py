@@ -24,7 +24,15 @@ import torch
 
 from fnebm.chain.loop import loop
 
-__all__ = ["RunnerCache", "RunPlan", "default_cache", "code_key"]
+__all__ = ["RunnerCache", "RunPlan", "CompileFallbackWarning", "default_cache", "code_key", "describe_failure"]
+
+
+class CompileFallbackWarning(UserWarning):
+    """A compile failed on a run's step, and the run went on with eager steps (the same draws).
+
+    ``sample_chain`` (and the warm-ups that run through it) warns once per kind of step and
+    shapes; later calls in the process run eagerly without trying the compile again, and their
+    :class:`RunPlan` carries the reason in ``fallback``."""
 
 # Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
 # in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
@@ -124,6 +132,17 @@ def _static(value: Any, depth: int) -> Hashable:
     return ("object", type(value))
 
 
+def describe_failure(exc: BaseException) -> str:
+    """One line saying why a compile failed: the exception's type and the first line of its message,
+    the wrapped error's for Dynamo's ``BackendCompilerFailed`` (``"backend='inductor' raised:"``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _chunk(step, collect, keys, state, ts):
     return loop(step, collect, keys, state, ts, unroll=False)
 
@@ -145,7 +164,10 @@ class RunPlan(NamedTuple):
     eager_step_s: seconds per eager step for this kind and shapes, the fastest rate measured so far
     (``None`` before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
     the steps of this call; kernel: a hand-written Triton kernel runs the whole chain (see
-    ``backend=``), neither the compiled runner nor the eager loop.
+    ``backend=``), neither the compiled runner nor the eager loop; fallback: ``None``, or why the
+    compile of this kind of step and shapes failed (the exception, on one line), so the steps run
+    eagerly; revised: this plan replaces the one this call reported first — its compile failed
+    during the call, and the steps from the chunk that was compiling on run eagerly.
     """
 
     compiled: bool
@@ -155,18 +177,21 @@ class RunPlan(NamedTuple):
     compile_estimate_s: float
     steps: int
     kernel: bool = False  # a hand-written whole-chain kernel runs (sample_chain's backend=)
+    fallback: str | None = None  # the compile failed (why, on one line): the steps run eagerly
+    revised: bool = False  # a second report of the same call: its compile failed, the rest runs eagerly
 
 
 class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
-    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled")
+    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed")
 
     def __init__(self):
         self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
         self.eager_steps = 0
         self.best_step_s = None  # the fastest measured rate: a noisy machine only ever slows a step
         self.compiled = False   # the compiled runner has run at these shapes
+        self.failed = None      # why its compile failed (then it runs eagerly, never compiled again)
 
     def record(self, seconds: float, steps: int) -> None:
         """``steps`` eager steps took ``seconds``."""
@@ -184,7 +209,8 @@ class RunnerCache:
 
     ``get(key)`` returns ``run(step, collect, keys, state, ts) -> (state, kept, info)``, compiled
     the first time it is called (eager runners are not cached: they hold nothing). Pass your
-    own instance to ``sample_chain(cache=...)`` to keep graphs apart, drop them with ``clear()``,
+    own instance to ``sample_chain(cache=...)`` to keep graphs apart, drop them (and forget the
+    compiles that failed, so that the next call tries again) with ``clear()``,
     or compile with another ``torch.compile`` backend (e.g. ``"aot_eager"`` to debug, or a
     counting backend in tests).
 
@@ -230,6 +256,9 @@ class RunnerCache:
         est, per = self.compile_estimate_s, ledger.step_s()
         if compile is False:
             return RunPlan(False, False, "compile=False", per, est, steps)
+        if ledger.failed is not None:
+            return RunPlan(False, False, f"eager: the compile failed earlier in this process ({ledger.failed})",
+                           per, est, steps, fallback=ledger.failed)
         if ledger.compiled:
             return RunPlan(True, False, "compiled earlier in this process", per, est, steps)
         if compile is True:

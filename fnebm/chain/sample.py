@@ -8,8 +8,10 @@ live in a :class:`~fnebm.chain.runner.RunnerCache`, and timing goes to a callbac
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -18,9 +20,9 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.backend import compile_setting, kernel_runner
-from fnebm.chain.loop import position
-from fnebm.chain.runner import RunnerCache, RunPlan, code_key, default_cache
+from fnebm.chain.backend import compile_setting, kernel_runner, unavailable_kernel
+from fnebm.chain.loop import loop, position
+from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache, describe_failure
 from fnebm.chain.schedule import chunks, kept_in
 
 __all__ = ["ChainState", "init", "sample_chain"]
@@ -204,6 +206,36 @@ def _check_out(out: Any, expected: Any) -> list[Tensor]:
     return bufs
 
 
+def _eager(step, collect, keys, state, ts):
+    """The eager runner: the same steps as the compiled one, in a Python loop."""
+    return loop(step, collect, keys, state, ts, unroll=True)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_fnebm() -> int:
+    """The ``stacklevel`` of the first frame outside fnebm (a warning names the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _fall_back(plan: RunPlan, ledger: Any, reason: str, start: int, on_plan: Callable | None) -> RunPlan:
+    """A compile failed and the eager steps ran: remember it, say so once, and tell ``on_plan``."""
+    ledger.failed = reason
+    warnings.warn(f"fnebm: the compile of this run's step failed ({reason}); the steps from step {start} of this "
+                  "call on ran eagerly instead, with the same keys and draws. Later calls with this kind of step "
+                  "and shapes run eagerly without compiling again (RunnerCache.clear() forgets this).",
+                  CompileFallbackWarning, stacklevel=_outside_fnebm())
+    plan = plan._replace(compiled=False, compiles=False, fallback=reason, revised=True,
+                         reason=f"eager from step {start}: the compile failed ({reason})")
+    if on_plan is not None:
+        on_plan(plan)
+    return plan
+
+
 def sample_chain(
     step: Callable[[Any, Tensor], tuple[Any, Any]],
     state: Any,
@@ -248,6 +280,13 @@ def sample_chain(
             cache's ``compile_estimate_s`` (20 s for Inductor) compiles; shorter calls run
             eagerly. So a short first run returns in seconds and a long one compiles at once;
             a graph compiled once is used from then on. ``on_plan`` says which ran and why.
+            A compile that fails (Dynamo cannot trace the step, the backend raises) never loses
+            the run: the chunk that was compiling runs again eagerly from the same inputs (the
+            same keys, so the same draws as ``compile=False``), and so does the rest of the run,
+            with one :class:`~fnebm.chain.runner.CompileFallbackWarning`; the failure is
+            remembered for this kind of step and shapes, so later calls run eagerly at once
+            (their plan's ``fallback`` says why). An error the eager steps raise too is raised
+            as they raise it.
         backend: ``"auto"`` (default) runs the chain with a hand-written kernel when one covers
             it: on a CUDA device the Triton kernel (one launch for all steps,
             :mod:`fnebm.kernels.langevin_chain`) for ``fnebm.langevin``/``fnebm.mala`` steps on a
@@ -272,6 +311,8 @@ def sample_chain(
         on_plan: ``on_plan(plan)`` once before the first step, with the
             :class:`~fnebm.chain.runner.RunPlan` of this call (compiled or eager, whether a
             compile starts now, and why): a command line can say "compiling ..." before a wait.
+            Should that compile fail, ``on_plan`` is told a second time, with a plan whose
+            ``revised`` is true and ``fallback`` says why (the rest of the call runs eagerly).
         cache: where compiled runners live (default: a module-level :class:`RunnerCache`).
 
     Returns:
@@ -339,14 +380,9 @@ def sample_chain(
     total = burn_in + n_steps
     plan = cache.plan(runner_key, shapes, total, compile)
     if on_plan is not None:
-        on_plan(plan)
-    if plan.compiled:
-        run = cache.get(runner_key)
-    else:
-        from fnebm.chain.loop import loop
-
-        def run(step, collect, keys, state, ts):
-            return loop(step, collect, keys, state, ts, unroll=True)
+        missed = unavailable_kernel(step, chain, collect, backend, compile)  # a C kernel that could not build
+        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed}"))
+    run = cache.get(runner_key) if plan.compiled else _eager
 
     show = sys.stderr.isatty() if progress is None else bool(progress)
     if chunk_size is None:
@@ -374,10 +410,23 @@ def sample_chain(
             ts = chain.steps_taken + torch.arange(a, b, device=device)
             if plan.compiled and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
-            run_state, kept, info = run(step, collect, chain.keys, run_state, ts)
             if plan.compiled:
-                ledger.compiled = True
-            elif compile == "auto" or on_chunk is not None:
+                failed = None
+                try:
+                    ran = run(step, collect, chain.keys, run_state, ts)
+                except Exception as exc:  # noqa: BLE001 - a failed compile, or an error the eager steps raise too
+                    failed = describe_failure(exc)
+                if failed is None:
+                    ledger.compiled = True
+                else:
+                    # the same chunk from the same inputs (the compiled call is pure: nothing moved),
+                    # eagerly; an error of the step itself is raised here, as eager code raises it
+                    ran = _eager(step, collect, chain.keys, run_state, ts)
+                    plan, run = _fall_back(plan, ledger, failed, a, on_plan), _eager
+            else:
+                ran = run(step, collect, chain.keys, run_state, ts)
+            run_state, kept, info = ran
+            if not plan.compiled and (compile == "auto" or on_chunk is not None):
                 _sync(device)
                 ledger.record(time.perf_counter() - t0, b - a)
             if on_chunk is not None:

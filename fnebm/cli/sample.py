@@ -19,6 +19,7 @@ import fnebm
 from fnebm import diagnostics
 from fnebm import distributed as fdist
 from fnebm import random as fr
+from fnebm.chain.backend import UNAVAILABLE
 from fnebm.cli._common import (Launch, UsageError, _destination, _device, _float_or_none, _fmt, _sync, agree,
                                available_memory, compile_cache_dir, compile_times, format_bytes,
                                record_compile_time, run_launched, write_outputs)
@@ -307,6 +308,10 @@ class _Calls:
         self._seen = 0
 
     def on_plan(self, plan: Any) -> None:
+        if getattr(plan, "revised", False) and self.plans:  # the same call: its compile failed, it runs eagerly
+            self.plans[-1] = plan
+            self._start_bar()
+            return
         self.plans.append(plan)
         self.planned_at.append(time.perf_counter())
         self._seen = 0
@@ -380,6 +385,8 @@ class _Calls:
         plan = self.plans[main]
         if getattr(plan, "kernel", False):  # e.g. "backend='auto': the whole-chain C kernel (CPU)"
             return None, plan.reason.split(": ", 1)[-1] + ", nothing compiled"
+        if getattr(plan, "fallback", None):
+            return False, f"the compile failed ({plan.fallback}), so the steps ran eagerly"
         if self.cfg.compile is True:
             why = "--compile"
         elif self.cfg.compile is False:
@@ -393,12 +400,14 @@ class _Calls:
         ramp = [p for p in self.plans[:main] if p is not None and p.compiled != plan.compiled]
         if ramp:
             why += f"; {sum(p.steps for p in ramp)} burn-in steps ran {'compiled' if ramp[0].compiled else 'eagerly'}"
-        return plan.compiled, why
+        # a C kernel that covers the run but did not build or load: say why, whatever the branch above
+        notes = [n for n in plan.reason.split("; ") if UNAVAILABLE in n and n not in why]
+        return plan.compiled, "; ".join([why, *notes])
 
 
 def _kernel_build_notice(cfg: Config, target: Any) -> None:
     """On a terminal, one line before the C kernel is compiled for this run (its first use on this
-    machine, about 1.5 s), as before a torch.compile."""
+    machine), as before a torch.compile."""
     if not _tty() or cfg.compile is True or cfg.sampler not in ("langevin", "mala", "nuts") or cfg.rank != 0:
         return
     if cfg.compile is False and cfg.sampler != "nuts":  # --no-compile: Langevin and MALA run their eager steps
@@ -410,10 +419,10 @@ def _kernel_build_notice(cfg: Config, target: Any) -> None:
     if cpu_chain.covers(target) is not None:
         return
     if cfg.sampler == "nuts" and not cpu_nuts.built():
-        print("fnebm: building the NUTS C kernel with the system C compiler: about 1 s, once on this machine "
+        print("fnebm: building the NUTS C kernel with the system C compiler: a few seconds, once on this machine "
               "(cached on disk)", file=sys.stderr, flush=True)
     elif cfg.sampler != "nuts" and not cpu_chain.built():
-        print("fnebm: building the whole-chain C kernel with the system C compiler: about 1.5 s, once on this "
+        print("fnebm: building the whole-chain C kernel with the system C compiler: a few seconds, once on this "
               "machine (cached on disk)", file=sys.stderr, flush=True)
 
 

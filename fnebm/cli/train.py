@@ -34,7 +34,7 @@ from fnebm.cli.presets import DTYPES
 # loss key is split over the examples, and each example is a batch of one with its own key and its own
 # persistent chain and replay ring, so the run is the same on any number of processes.
 
-TRAIN_LOSSES = ("pcd", "cd", "dsm", "ssm", "sm")
+TRAIN_LOSSES = ("pcd", "cd", "dsm", "ssm", "sm", "flow", "eqm")  # flow, eqm: fnebm.cli.generative
 TRAIN_SAMPLERS = ("langevin", "mala")
 LAYOUTS = ("batch", "per-example")
 CHECKPOINT_FORMAT = "fnebm-train"
@@ -100,7 +100,10 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(datasets.DATASETS)} (default: {d['dataset']})")
     p.add_argument("--loss", default=None, metavar="NAME",
                    help="pcd (persistent CD), cd (CD-k from the data), dsm (denoising score matching), "
-                        f"ssm (sliced score matching), sm (exact score matching) (default: {d['loss']})")
+                        f"ssm (sliced score matching), sm (exact score matching), flow (flow matching: a "
+                        f"velocity field), eqm (equilibrium matching: a time-invariant field) (default: {d['loss']})")
+    p.add_argument("--objective", dest="loss", default=None, metavar="NAME",
+                   help="the same as --loss: flow, eqm, pcd, cd, dsm, ssm or sm")
     p.add_argument("--sampler", default=None, metavar="NAME",
                    help=f"langevin or mala: the negatives of cd/pcd and the model samples (default: {d['sampler']})")
     p.add_argument("--steps", type=int, default=2000, metavar="N",
@@ -235,6 +238,8 @@ def _train_config(args: argparse.Namespace,
     except (TypeError, ValueError) as e:
         raise UsageError(f"--seed: {e}") from None
     layout = _layout(args, ckpt, world, launched() or world > 1)
+    if layout == "per-example" and opts["loss"] in ("flow", "eqm"):
+        raise UsageError(f"--loss {opts['loss']} trains in one process with --layout batch")
     if layout == "per-example" and opts["buffer"] % opts["batch"]:
         raise UsageError(f"--buffer {opts['buffer']} with --layout per-example must be a multiple of --batch "
                          f"{opts['batch']}: each example's chain keeps --buffer / --batch replay entries")
@@ -298,6 +303,15 @@ def mlp_init(key: Tensor, hidden: int, dtype: torch.dtype) -> dict[str, Tensor]:
             for i, (name, (shape, fan_in)) in enumerate(shapes.items())}
 
 
+def _init_params(cfg: TrainConfig, key: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The model's first parameters: the energy MLP, or (flow, eqm) the field MLP."""
+    if cfg.loss in ("flow", "eqm"):
+        from fnebm.cli import generative
+
+        return generative.field_init(key, cfg.hidden, dtype, cfg.loss)
+    return mlp_init(key, cfg.hidden, dtype)
+
+
 def _fresh(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """Where fresh chains start: ``N(0, INIT_SCALE² I)`` (the toy sets lie in about [-4, 4]²)."""
     return INIT_SCALE * fr.normal(key, shape, dtype)
@@ -322,6 +336,10 @@ def _loss_function(cfg: TrainConfig) -> Callable[..., tuple[Tensor, Any]]:
     data, sampler, dtype = datasets.get(cfg.dataset), _train_sampler(cfg), DTYPES[cfg.dtype]
     if cfg.layout == "per-example":
         return _per_example_loss(cfg)
+    if cfg.loss in ("flow", "eqm"):
+        from fnebm.cli import generative
+
+        return generative.loss_function(cfg)
 
     def f(params: dict[str, Tensor], key: Tensor, chains: Any) -> tuple[Tensor, Any]:
         k_data, k_loss = fr.split(key)
@@ -433,7 +451,7 @@ def _initial(cfg: TrainConfig, ckpt: dict[str, Any] | None) -> dict[str, Any]:
                     chains=chains, losses=ckpt["losses"].to(torch.float64).cpu())
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     k_params, k_chains, k_train, _ = fr.split(fr.key(cfg.seed, device=device), 4)
-    params = mlp_init(k_params, cfg.hidden, dtype)
+    params = _init_params(cfg, k_params, dtype)
     zeros = {name: torch.zeros_like(p) for name, p in params.items()}
     optimizer = {"m": zeros, "v": dict(zeros), "t": torch.zeros((), dtype=dtype, device=device)}
     chains = None
@@ -447,7 +465,7 @@ def _initial(cfg: TrainConfig, ckpt: dict[str, Any] | None) -> dict[str, Any]:
 
 def _check_resumed(cfg: TrainConfig, state: dict[str, Any]) -> None:
     """The checkpoint's tensors have the shapes its config says (a hand-edited file fails here, not mid-run)."""
-    expected = mlp_init(fr.key(0), cfg.hidden, DTYPES[cfg.dtype])
+    expected = _init_params(cfg, fr.key(0), DTYPES[cfg.dtype])
     params = state["params"]
     ok = isinstance(params, dict) and set(params) == set(expected) and all(
         isinstance(params[n], Tensor) and params[n].shape == p.shape and params[n].dtype == p.dtype
@@ -624,6 +642,10 @@ def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any] | No
     """
     from fnebm import datasets
 
+    if cfg.loss in ("flow", "eqm"):
+        from fnebm.cli import generative
+
+        return generative.evaluate(cfg, params)
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     k_eval = fr.split(fr.key(cfg.seed, device=device), 4)[3]
     k_data, k_floor, k_samples = fr.split(k_eval, 3)
@@ -657,6 +679,10 @@ def plot_training(f: BinaryIO, cfg: TrainConfig, ev: dict[str, Any], summary: di
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    if cfg.loss in ("flow", "eqm"):
+        from fnebm.cli import generative
+
+        return generative.plot(f, cfg, ev, summary)
     fig = Figure(figsize=(15, 5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
@@ -690,12 +716,17 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
         loss = f"{c['loss']}: k={c['k']} steps of {sampler}; {chains}"
     elif c["loss"] == "dsm":
         loss = f"dsm: sigma {c['sigma']:g}"
+    elif c["loss"] in ("flow", "eqm"):
+        from fnebm.cli import generative
+
+        model, loss = generative.describe(c, c["hidden"])
     else:
         loss = {"ssm": "ssm: one Rademacher projection, variance-reduced", "sm": "sm: exact (Hyvarinen)"}[c["loss"]]
     h = c["hidden"]
     rows = [
         ("dataset", f"{c['dataset']}, {c['dtype']} on {s['device']}"),
-        ("model", f"MLP 2-{h}-{h}-1 (SiLU) + {TETHER:g}|x|^2/2, {s['n_params']} parameters"),
+        ("model", (model if c["loss"] in ("flow", "eqm") else f"MLP 2-{h}-{h}-1 (SiLU) + {TETHER:g}|x|^2/2")
+                  + f", {s['n_params']} parameters"),
         ("loss", loss),
         ("steps", f"{s['start']} -> {s['step']} (batch {c['batch']}, Adam lr {c['lr']:g}"
                   + (f" -> {LR_FLOOR * c['lr']:g} linearly by step {c['lr_decay']}" if c["lr_decay"] else "")
@@ -704,10 +735,13 @@ def format_train_summary(s: dict[str, Any]) -> list[str]:
         ("compile", (("skipped (per-example layout: eager unless --compile)" if c.get("layout") == "per-example"
                       else "skipped (--no-compile)") if s["compile_s"] is None else f"{s['compile_s']:.2f} s")),
         ("training", f"{s['train_s']:.2f} s ({1000 * s['step_ms']:.1f} ms/step)"),
-        ("KL", f"{s['kl']:.4f} nats: KL(data || model) on a {GRID}x{GRID} grid "
-               f"(floor {s['kl_floor']:.4f}: two data sets of {EVAL_POINTS})"),
+        ("KL", "n/a: a field has no density on the grid" if s["kl"] is None else
+         f"{s['kl']:.4f} nats: KL(data || model) on a {GRID}x{GRID} grid "
+         f"(floor {s['kl_floor']:.4f}: two data sets of {EVAL_POINTS})"),
         ("MMD^2", "n/a" if s["mmd2"] is None else
-         f"{s['mmd2']:.2e}: model samples ({c['sampler']}, {s['sample_steps']} steps from noise) vs data"),
+         f"{s['mmd2']:.2e}: model samples ("
+         + ({"flow": "Euler", "eqm": "eqm"}.get(c["loss"], c["sampler"]))
+         + f", {s['sample_steps']} steps from noise) vs data"),
         ("evaluation", f"{s['eval_s']:.2f} s"),
     ]
     if s.get("processes"):

@@ -17,7 +17,7 @@ Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or
 the normals differ in the last bits and a chain's positions drift apart by rounding over many
 steps, as the compiled and eager paths do.
 
-**Built on first use** with the system C compiler (``$CC``, else ``cc``; about 1.5 s on two cores) for this
+**Built on first use** with the system C compiler (``$CC``, else ``cc``; build times in docs/performance.md) for this
 machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
 that hashes the sources, the flags, the compiler and the CPU (:mod:`fnebm.kernels._cbuild`); later processes load it from
 there. Where no compiler works, :func:`available` says why and ``sample_chain`` runs the
@@ -67,7 +67,7 @@ LIBRARY = CLibrary("cpu_chain", [(_SOURCE, ("-DFNEBM_MALA=0",)), (_SOURCE, ("-DF
 
 def built() -> bool:
     """Whether the kernel is ready without compiling: loaded, failed for good, or found on disk.
-    ``False`` means that the first run it serves compiles it first (about 1.5 s): the command line
+    ``False`` means that the first run it serves compiles it first (seconds): the command line
     says so before that wait."""
     return LIBRARY.built()
 

@@ -18,7 +18,7 @@ tolerance, and a tree decision that sits within rounding of its threshold can go
 :func:`fnebm.nuts` takes this kernel by itself (``backend="auto"``) where it applies; this
 module is the launcher (:func:`nuts_step`, the op ``torch.ops.fnebm.cpu_nuts``) and the test
 of what it covers (:func:`why_not`). The library builds on first use with the system C
-compiler (about 1 s, cached on disk; :mod:`fnebm.kernels._cbuild`).
+compiler (once per machine, cached on disk; :mod:`fnebm.kernels._cbuild`; build times in docs/performance.md).
 """
 
 from __future__ import annotations

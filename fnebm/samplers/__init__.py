@@ -2,6 +2,7 @@
 axes) and a constructor returning ``SamplingAlgorithm(init, step)``. See :mod:`fnebm.samplers.base`."""
 
 from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
+from fnebm.samplers.eqm import EqMInfo, EqMState, energy_field, eqm
 from fnebm.samplers.flow import flow_sample, log_likelihood, sample_and_log_prob
 from fnebm.samplers.hmc import HMCInfo, HMCState, hmc
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
@@ -23,6 +24,10 @@ __all__ = [
     "nuts",
     "NUTSState",
     "NUTSInfo",
+    "eqm",
+    "EqMState",
+    "EqMInfo",
+    "energy_field",
     "flow_sample",
     "log_likelihood",
     "sample_and_log_prob",

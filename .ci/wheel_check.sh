@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The wheel works outside the checkout: build it, install it into a fresh venv in a temporary
+# folder, and check there that both C kernels build from the files the wheel ships (a fresh
+# FNEBM_CACHE_DIR, so nothing built from the checkout is reused), run, and agree with their
+# twins, and that `fnebm demo` takes the C kernel. About 30 s on 2 cores.
+#
+# The venv sees the system site-packages (torch is not installed again: that alone takes ~45 s
+# here), but not the checkout: PYTHONPATH is cleared, it runs from the temporary folder, and it
+# asserts that `fnebm` is imported from the venv, not from an editable install.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/fnebm-wheel.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+unset PYTHONPATH
+python=${PYTHON:-python}
+
+# build from a copy: pip builds a local folder in place and would leave build/ and *.egg-info there
+mkdir "$work/src"
+tar -C "$root" --exclude=./.git --exclude=./build --exclude=./dist --exclude='*.egg-info' --exclude=__pycache__ \
+    --exclude=./.venv --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$work/src" -xf -
+"$python" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation "$work/src" -w "$work/dist"
+wheel=("$work"/dist/fnebm-*.whl)
+echo "wheel_check: built ${wheel[0]##*/}"
+
+"$python" -m venv --system-site-packages "$work/venv"
+"$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-index "${wheel[0]}"
+
+cd "$work"
+export FNEBM_CACHE_DIR="$work/cache"
+"$work/venv/bin/python" - <<'EOF'
+import os, sys
+
+import torch
+
+import fnebm
+from fnebm import energies, random as fr
+from fnebm.kernels import cpu_chain, cpu_nuts
+
+where = os.path.realpath(fnebm.__file__)
+assert where.startswith(os.path.realpath(sys.prefix) + os.sep), f"fnebm was imported from {where}, not the venv"
+for name, module in (("cpu_chain", cpu_chain), ("cpu_nuts", cpu_nuts)):
+    why = module.available()
+    assert why is None, f"{name} did not build from the installed wheel: {why}"
+    assert module.build_seconds() > 0, f"{name} was not built now (FNEBM_CACHE_DIR is not fresh)"
+
+# the chain kernel against the eager steps, the NUTS kernel against the torch kernel
+alg = fnebm.mala(energies.harmonic(2.0), 0.2)
+state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (40, 3)))
+plans = []
+_, got, _ = fnebm.sample_chain(alg.step, state, fr.key(1), 30, progress=False, on_plan=plans.append)
+_, want, _ = fnebm.sample_chain(alg.step, state, fr.key(1), 30, backend="eager", progress=False)
+assert plans[0].kernel, plans[0]
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+energy = energies.gaussian(torch.zeros(3), torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 1.0]]))
+state = torch.func.vmap(fnebm.nuts(energy, 0.5).init)(fr.normal(fr.key(0), (16, 3)))
+got = fnebm.sample_chain(fnebm.nuts(energy, 0.5, backend="c").step, state, fr.key(1), 4, progress=False)[1]
+want = fnebm.sample_chain(fnebm.nuts(energy, 0.5, backend="torch").step, state, fr.key(1), 4, progress=False,
+                          compile=False)[1]
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+print(f"wheel_check: fnebm from {os.path.dirname(where)}; both C kernels built from the wheel "
+      f"({cpu_chain.build_seconds():.1f} s, {cpu_nuts.build_seconds():.1f} s) and agree with their twins")
+EOF
+
+"$work/venv/bin/fnebm" demo --no-progress --plot "$work/demo.png" > "$work/demo.txt"
+path_line="$(grep '^path ' "$work/demo.txt")"
+echo "wheel_check: fnebm demo: $path_line"
+case "$path_line" in
+    *"C kernel (CPU), nothing compiled"*) ;;
+    *) echo "wheel_check: the demo did not run the C kernel" >&2; cat "$work/demo.txt" >&2; exit 1 ;;
+esac
+echo "wheel_check: ok"

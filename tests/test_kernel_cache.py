@@ -1,0 +1,222 @@
+"""The C kernels' build cache (fnebm.kernels._cbuild): a damaged library is never loaded — it is
+rebuilt, or the run falls back and says why — and older builds are pruned.
+
+Each damaged case runs in a child process with its own FNEBM_CACHE_DIR: loading a damaged
+shared library can kill the process (SIGBUS, SIGILL), so the test must survive that to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fnebm.kernels import _cbuild
+
+# In a child process: a run of the chain kernel (MALA) or the NUTS kernel, and the same run's
+# eager / torch-kernel steps; what the library reports, as JSON
+_RUN = """
+import json, sys, torch, fnebm
+from fnebm import energies, random as fr
+from fnebm.kernels import cpu_chain, cpu_nuts
+which = sys.argv[1]
+plans = []
+if which == "chain":
+    alg, twin, module = fnebm.mala(energies.harmonic(2.0), 0.2), None, cpu_chain
+else:
+    energy = energies.gaussian(torch.zeros(3), torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 1.0]]))
+    alg, twin, module = fnebm.nuts(energy, 0.5), fnebm.nuts(energy, 0.5, backend="torch"), cpu_nuts
+state = torch.func.vmap(alg.init)(fr.normal(fr.key(0), (40, 3)))
+n = 30 if which == "chain" else 4
+_, got, _ = fnebm.sample_chain(alg.step, state, fr.key(1), n, progress=False, on_plan=plans.append)
+if which == "chain":
+    _, want, _ = fnebm.sample_chain(alg.step, state, fr.key(1), n, backend="eager", progress=False)
+else:
+    _, want, _ = fnebm.sample_chain(twin.step, state, fr.key(1), n, progress=False, compile=False)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+ran = plans[0].kernel if which == "chain" else module.LIBRARY.lib is not None
+print(json.dumps(dict(kernel=ran, reason=plans[0].reason, build_s=module.build_seconds(),
+                      damaged=module.LIBRARY.damaged, why=module.LIBRARY.why)))
+"""
+
+
+def _child(cache: Path, which: str, **env) -> dict:
+    done = subprocess.run([sys.executable, "-c", _RUN, which],
+                          env=dict(os.environ, FNEBM_CACHE_DIR=str(cache), **env),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the child exited {done.returncode}: {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A cache folder holding intact builds of both kernels (built once for the module)."""
+    cache = tmp_path_factory.mktemp("built")
+    os.chmod(cache, 0o700)
+    for which in ("chain", "nuts"):
+        result = _child(cache, which)
+        assert result["kernel"] and result["build_s"] > 0, result
+    return cache
+
+
+def _copy(built: Path, tmp_path: Path, stem: str = "cpu_nuts") -> tuple[Path, Path]:
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache)
+    os.chmod(cache, 0o700)
+    (library,) = cache.glob(f"{stem}-*.so")
+    return cache, library
+
+
+def _damage(library: Path, how: str) -> None:
+    data = library.read_bytes()
+    if how == "half":
+        os.truncate(library, len(data) // 2)
+    elif how == "random":
+        library.write_bytes(os.urandom(len(data)))
+    elif how == "empty":
+        os.truncate(library, 0)
+    elif how == "flipped":  # one byte of the code changed, the size kept
+        i = len(data) // 2
+        library.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:])
+    elif how == "no record":
+        _cbuild.record_path(library).unlink()
+    else:
+        raise ValueError(how)
+
+
+# the NUTS kernel builds in a third of the chain kernel's time: it takes most cases
+@pytest.mark.parametrize("which, how", [("chain", "half"), ("nuts", "half"), ("nuts", "random"), ("nuts", "empty")])
+def test_a_damaged_library_is_rebuilt_and_the_kernel_runs(built, tmp_path, which, how):
+    cache, library = _copy(built, tmp_path, "cpu_chain" if which == "chain" else "cpu_nuts")
+    _damage(library, how)
+    assert _cbuild.check(library) is not None
+    result = _child(cache, which)  # exits 0 (not SIGBUS or SIGILL), the kernel's draws equal to its twin's
+    assert result["kernel"], result
+    assert result["build_s"] > 0 and result["damaged"] and str(library) in result["damaged"]
+    assert _cbuild.check(library) is None  # the rebuilt library is intact, and recorded (a later process
+    # loads it without building: test_cpu_chain.py::test_the_library_is_built_once_and_then_loaded)
+
+
+def test_a_failed_rebuild_falls_back_and_says_why(built, tmp_path):
+    # a compiler that reports the real one's version (so the cache name is the same) but cannot build
+    cache, library = _copy(built, tmp_path)
+    _damage(library, "flipped")
+    fake = tmp_path / "fake-cc"
+    real = shutil.which(os.environ.get("CC") or "cc")
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then exec {real} --version; fi\n'
+                    'echo "fake-cc: cannot build" >&2\nexit 1\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    result = _child(cache, "nuts", CC=str(fake))
+    assert not result["kernel"], result  # the torch kernel ran (the child compared the draws)
+    assert "damaged" in result["why"] and "rebuilding it failed" in result["why"] and "fake-cc" in result["why"]
+    assert "the NUTS C kernel covers this run but could not be used" in result["reason"]
+    assert result["why"] in result["reason"]
+    assert _cbuild.check(library) is not None  # left as it was: nothing was loaded or replaced
+
+
+def test_a_fresh_build_that_crashes_its_loader_is_never_loaded(tmp_path):
+    # a compiler whose linked library is cut to half (as a full disk would): the child process that
+    # loads it first dies of SIGBUS, so the run falls back and says why instead of dying itself
+    fake = tmp_path / "fake-cc"
+    real = shutil.which(os.environ.get("CC") or "cc")
+    fake.write_text(f'#!/bin/sh\n{real} "$@" || exit $?\n'
+                    'for a in "$@"; do [ "$prev" = -o ] && out="$a"; prev="$a"; done\n'
+                    'case " $* " in *" -shared "*) head -c $(( $(wc -c < "$out") / 2 )) "$out" > "$out.cut" '
+                    '&& mv "$out.cut" "$out";; esac\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = _child(cache, "nuts", CC=str(fake))
+    assert not result["kernel"] and "kills the process that loads it" in result["why"], result
+    assert "could not be used" in result["reason"]
+    assert not list(cache.glob("cpu_nuts-*.so"))  # nothing was published
+
+
+def test_a_rebuild_prunes_older_builds_but_not_one_being_built(built, tmp_path):
+    cache, library = _copy(built, tmp_path)
+    _damage(library, "no record")
+    old = [cache / f"cpu_nuts-{i:020x}.so" for i in range(5)]
+    now = time.time()
+    for i, p in enumerate(old):  # used 2 .. 6 days ago
+        p.write_bytes(b"old build")
+        _cbuild.record_path(p).write_text("0" * 64 + " 9\n")
+        for f in (p, _cbuild.record_path(p)):
+            os.utime(f, (now - 86400 * (i + 2),) * 2)
+    recent = cache / "cpu_nuts-ffffffffffffffffffff.so"  # beyond KEEP, but used in the last day
+    recent.write_bytes(b"another installation's build")
+    os.utime(recent, (now - 3600,) * 2)
+    other = cache / "cpu_chain-00000000000000000000.so"  # another library: never touched
+    other.write_bytes(b"nuts")
+    os.utime(other, (now - 86400 * 30,) * 2)
+    stale, fresh = cache / ".build-killed", cache / ".build-running"
+    stale.mkdir()
+    fresh.mkdir()
+    os.utime(stale, (now - 7200,) * 2)
+    import fcntl
+
+    with open(old[4].with_suffix(".lock"), "w") as lock:  # "another process is building it"
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = _child(cache, "nuts")
+    assert result["kernel"] and result["build_s"] > 0
+    kept = sorted(p.name for p in cache.glob("cpu_nuts-*.so"))
+    # the rebuilt library, the KEEP - 1 most recently used others, the one used today and the locked one
+    assert kept == sorted([library.name, recent.name, old[0].name, old[4].name])
+    assert _cbuild.KEEP == 3
+    for p in old[1:4]:
+        assert not _cbuild.record_path(p).exists() and not p.with_suffix(".lock").exists()
+    assert other.exists() and fresh.exists() and not stale.exists()
+
+
+def test_check_reads_the_record(tmp_path):
+    library = tmp_path / "x-0.so"
+    library.write_bytes(b"\x7fELF" + bytes(100))
+    assert "no checksum" in _cbuild.check(library)
+    digest, size = _cbuild._digest(library)
+    _cbuild.record_path(library).write_text(f"{digest} {size}\n")
+    assert _cbuild.check(library) is None
+    _cbuild.record_path(library).write_text("garbage")
+    assert "damaged" in _cbuild.check(library)
+    _cbuild.record_path(library).write_text(f"{digest} {size}\n")
+    library.write_bytes(b"\x7fELF" + bytes(99) + b"\x01")
+    assert "SHA-256" in _cbuild.check(library)
+    os.truncate(library, 10)
+    assert "10 bytes" in _cbuild.check(library)
+
+
+def test_the_package_data_ships_every_file_the_kernels_build_from():
+    # a wheel without one of them cannot build the kernels (.ci/wheel_check.sh checks a real wheel)
+    import fnmatch
+    import tomllib
+
+    from fnebm.kernels import cpu_chain, cpu_nuts
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fnebm"]
+    package = root / "fnebm"
+    for library in (cpu_chain.LIBRARY, cpu_nuts.LIBRARY):
+        for f in {*library.files, *(src for src, _ in library.objects)}:
+            rel = f.resolve().relative_to(package).as_posix()
+            assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in the package data {globs}"
+
+
+
+@pytest.mark.parametrize("sampler, note", [
+    ("mala", "the C kernel covers this run but could not be used (no C compiler found"),
+    ("nuts", "the NUTS C kernel covers this run but could not be used (no C compiler found"),
+])
+def test_the_summary_says_why_a_c_kernel_did_not_run(tmp_path, sampler, note):
+    # as from a wheel that cannot build the kernels: the run falls back, and its path line says why
+    cmd = [sys.executable, "-m", "fnebm", "sample", "--sampler", sampler, "--energy", "gaussian", "--dim", "2",
+           "--chains", "16", "--steps", "20", "--burn-in", "10", "--no-progress"]
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), FNEBM_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (path,) = [line for line in done.stdout.splitlines() if line.startswith("path ")]
+    assert note in path, path
