@@ -87,6 +87,17 @@ def test_log_likelihood_hutchinson_is_unbiased_within_mc_error(probe):
     torch.testing.assert_close(again, logp, rtol=0, atol=0)
 
 
+def test_sample_and_log_prob_gives_the_draws_and_their_density():
+    x, logq, info = flow.sample_and_log_prob(velocity, fr.key(0), (300, 2), dtype=F64, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(logq, data_log_density(x), rtol=0, atol=1e-5)
+    same, _ = flow.flow_sample(velocity, fr.key(0), (300, 2), dtype=F64, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(x, same, rtol=0, atol=1e-6)  # the same base draw, the same map
+    _, est, _ = flow.sample_and_log_prob(velocity, fr.key(0), (300, 2), dtype=F64, divergence="hutchinson",
+                                         probe="gaussian", rtol=1e-8, atol=1e-8)
+    err = est - logq
+    assert abs(err.mean().item()) < 4 * err.std().item() / math.sqrt(300) and err.std() > 1e-3
+
+
 def test_log_likelihood_from_a_score_model():
     x1 = data(100)
     logp, _ = flow.log_likelihood(score, x1, prediction="score", t0=1e-5, rtol=1e-9, atol=1e-9)
@@ -172,6 +183,10 @@ def test_bad_arguments_name_the_argument():
         flow.log_likelihood(velocity, data(4), divergence="trace")
     with pytest.raises(ValueError, match="key"):
         flow.log_likelihood(velocity, data(4), divergence="hutchinson")
+    with pytest.raises(ValueError, match="steps"):
+        flow.log_likelihood(velocity, data(4), method=ode.rk4)
+    with pytest.raises(ValueError, match="shape"):
+        flow.sample_and_log_prob(velocity, key, (4,))
 
 
 @pytest.mark.parametrize("kw", [dict(method=ode.rk4, steps=6), dict(sde=True, steps=6, method=sde.heun_step)],

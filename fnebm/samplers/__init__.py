@@ -3,7 +3,7 @@ axes) and a constructor returning ``SamplingAlgorithm(init, step)``. See :mod:`f
 
 from fnebm.samplers.base import SamplingAlgorithm, vmap_chains
 from fnebm.samplers.eqm import EqMInfo, EqMState, energy_field, eqm
-from fnebm.samplers.flow import flow_sample, log_likelihood
+from fnebm.samplers.flow import flow_sample, log_likelihood, sample_and_log_prob
 from fnebm.samplers.hmc import HMCInfo, HMCState, hmc
 from fnebm.samplers.langevin import LangevinInfo, LangevinState, langevin
 from fnebm.samplers.mala import MALAInfo, MALAState, mala
@@ -30,4 +30,5 @@ __all__ = [
     "energy_field",
     "flow_sample",
     "log_likelihood",
+    "sample_and_log_prob",
 ]

@@ -19,7 +19,9 @@ noisy and vanishes at the data end; any ``w(t) >= 0`` keeps the marginals ``p_t`
 with ``dl/dt = div v`` (the instantaneous change of variables), so that
 ``log p_1(x1) = log N(x(0); 0, I) + l(0)``; the divergence exactly (one forward-mode product
 per dimension, batched by ``vmap``) or by Hutchinson's estimator with keyed Rademacher or
-Gaussian probes, unbiased for any dimension.
+Gaussian probes, unbiased for any dimension. :func:`sample_and_log_prob` integrates the same
+pair forward from the base draw: draws and their log-density in one solve (what an
+independence Metropolis–Hastings step needs of a flow proposal).
 
 Everything is a pure function of its arguments and key; ``model`` is any callable (for an
 ``nn.Module``: ``lambda x, t: net(x, t)``).
@@ -38,7 +40,8 @@ from fnebm import interpolants as itp
 from fnebm import random as fr
 from fnebm.integrators import ode, sde as sde_mod
 
-__all__ = ["flow_sample", "log_likelihood", "velocity_field", "score_field", "sigma_diffusion", "PREDICTIONS"]
+__all__ = ["flow_sample", "log_likelihood", "sample_and_log_prob", "velocity_field", "score_field", "sigma_diffusion",
+           "PREDICTIONS"]
 
 PREDICTIONS = ("velocity", "score", "noise")
 _EPS = 1e-3  # where a path starts or ends when alpha(0) = 0 or sigma(1) = 0 makes a conversion singular
@@ -228,6 +231,60 @@ def _hutchinson_divergence(f: Callable, t: Tensor, x: Tensor, probe: Tensor) -> 
     return v, (probe * jp).flatten(1).sum(1)
 
 
+def _probe(key: Tensor, like: Tensor, probe: str) -> Tensor:
+    if probe == "rademacher":
+        return fr.bernoulli(key, 0.5, tuple(like.shape)).to(like.dtype) * 2.0 - 1.0
+    return fr.normal(key, tuple(like.shape), dtype=like.dtype)
+
+
+def _transport(f: Callable, x: Tensor, t_from: float, t_to: float, method: ode.Tableau, steps: int | None,
+               rtol, atol, divergence: str, p: Tensor | None) -> tuple[Tensor, Tensor, ode.ODEInfo]:
+    """``x`` at ``t_from`` carried to ``t_to`` with ``int_{t_from}^{t_to} div v dt``: ``(x, integral, info)``."""
+    batch, event = x.shape[0], x.shape[1:]
+
+    def aug(t: Tensor, z: Tensor) -> Tensor:
+        y = z[:, :-1].reshape(batch, *event)
+        v, div = _exact_divergence(f, t, y) if divergence == "exact" else _hutchinson_divergence(f, t, y, p)
+        return torch.cat((v.flatten(1), div.unsqueeze(1)), dim=1)
+
+    z = torch.cat((x.flatten(1), x.new_zeros(batch, 1)), dim=1)
+    if steps is None:
+        grid = torch.tensor([t_from, t_to], dtype=x.dtype, device=x.device)
+        z, info = ode.odeint(aug, z, grid, method, rtol=rtol, atol=atol, trajectory=False)
+    else:
+        z, info = ode.odeint(aug, z, _grid(t_from, t_to, steps, x), method, trajectory=False)
+    return z[:, :-1].reshape(batch, *event), z[:, -1], info
+
+
+def _log_normal(x: Tensor) -> Tensor:
+    flat = x.flatten(1)
+    return -0.5 * flat.square().sum(1) - 0.5 * flat.shape[1] * math.log(2 * math.pi)
+
+
+def _check_density_args(model, prediction: str, divergence: str, probe: str, method, steps) -> int | None:
+    _checks.check_callable("model", model, "model(x, t) -> velocity, score or noise")
+    _check_prediction(prediction)
+    if divergence not in ("exact", "hutchinson"):
+        raise ValueError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
+    if probe not in ("rademacher", "gaussian"):
+        raise ValueError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
+    if not isinstance(method, ode.Tableau):
+        raise TypeError(f"method must be a Tableau (fnebm.integrators.ode.dopri5, rk4, ...), got {type(method).__name__}")
+    if steps is None:
+        if method.b_err is None:
+            raise ValueError(f"steps must be given for {method.name}, which has no error estimate for adaptive control")
+        return None
+    return _checks.check_int("steps", steps, 1)
+
+
+def _span(t0: float | None, t1: float, prediction: str) -> tuple[float, float]:
+    start = t0 if t0 is not None else (0.0 if prediction == "velocity" else _EPS)
+    start, t1 = _checks.check_real("t0", start), _checks.check_real("t1", t1)
+    if not start < t1:
+        raise ValueError(f"need t0 < t1, got t0={start}, t1={t1}")
+    return start, t1
+
+
 def log_likelihood(
     model: Callable[[Tensor, Tensor], Tensor],
     x1: Tensor,
@@ -257,46 +314,61 @@ def log_likelihood(
         t0: default ``0`` for a velocity model, ``1e-3`` for score/noise (singular at ``t = 0``):
             the base density is then taken as ``N(0, I)`` at ``t0``.
     """
-    _checks.check_callable("model", model, "model(x, t) -> velocity, score or noise")
+    steps = _check_density_args(model, prediction, divergence, probe, method, steps)
     if not isinstance(x1, Tensor) or not x1.is_floating_point() or x1.ndim < 2:
         raise TypeError("x1 must be a floating tensor (batch, ...) with at least one event axis")
-    _check_prediction(prediction)
-    if divergence not in ("exact", "hutchinson"):
-        raise ValueError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
-    if probe not in ("rademacher", "gaussian"):
-        raise ValueError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
-    interpolant = itp.linear() if interpolant is None else interpolant
-    f = velocity_field(model, interpolant, prediction)
-    start = t0 if t0 is not None else (0.0 if prediction == "velocity" else _EPS)
-    start, t1 = _checks.check_real("t0", start), _checks.check_real("t1", t1)
-    if not start < t1:
-        raise ValueError(f"need t0 < t1, got t0={start}, t1={t1}")
+    start, t1 = _span(t0, t1, prediction)
+    p = None
     if divergence == "hutchinson":
         if key is None:
             raise ValueError("key must be given for divergence='hutchinson' (the probe is drawn from it)")
         _checks.check_key(key)
-        if probe == "rademacher":
-            p = fr.bernoulli(key, 0.5, tuple(x1.shape)).to(x1.dtype) * 2.0 - 1.0
-        else:
-            p = fr.normal(key, tuple(x1.shape), dtype=x1.dtype)
-    batch, event = x1.shape[0], x1.shape[1:]
+        p = _probe(key, x1, probe)
+    f = velocity_field(model, itp.linear() if interpolant is None else interpolant, prediction)
+    x0, integral, info = _transport(f, x1, t1, start, method, steps, rtol, atol, divergence, p)
+    return _log_normal(x0) + integral, info  # integral = int_1^0 div v dt = -int_0^1 div v dt
 
-    def aug(t: Tensor, z: Tensor) -> Tensor:
-        x = z[:, :-1].reshape(batch, *event)
-        if divergence == "exact":
-            v, div = _exact_divergence(f, t, x)
-        else:
-            v, div = _hutchinson_divergence(f, t, x, p)
-        return torch.cat((v.flatten(1), div.unsqueeze(1)), dim=1)
 
-    z1 = torch.cat((x1.flatten(1), x1.new_zeros(batch, 1)), dim=1)
-    if steps is None:
-        grid = torch.tensor([t1, start], dtype=x1.dtype, device=x1.device)
-        z0, info = ode.odeint(aug, z1, grid, method, rtol=rtol, atol=atol, trajectory=False)
-    else:
-        steps = _checks.check_int("steps", steps, 1)
-        z0, info = ode.odeint(aug, z1, _grid(t1, start, steps, x1), method, trajectory=False)
-    x0, l0 = z0[:, :-1], z0[:, -1]
-    d = x0.shape[1]
-    log_base = -0.5 * x0.square().sum(1) - 0.5 * d * math.log(2 * math.pi)
-    return log_base + l0, info
+def sample_and_log_prob(
+    model: Callable[[Tensor, Tensor], Tensor],
+    key: Tensor,
+    shape: int | tuple[int, ...],
+    *,
+    method: ode.Tableau = ode.dopri5,
+    steps: int | None = None,
+    rtol: float | Tensor = 1e-5,
+    atol: float | Tensor = 1e-5,
+    interpolant: itp.Interpolant | None = None,
+    prediction: str = "velocity",
+    divergence: str = "exact",
+    probe: str = "rademacher",
+    t0: float | None = None,
+    t1: float = 1.0,
+    x0: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor, ode.ODEInfo]:
+    """Draws and their log-density under the flow, in one forward solve: ``(x, log_q: (batch,), info)``.
+
+    ``log q(x(t1)) = log N(x0; 0, I) - int_{t0}^{t1} div v dt`` along each draw's path, the
+    density an independence Metropolis–Hastings step needs of a flow proposal. The base draw is
+    :func:`flow_sample`'s (the same ``key`` gives the same ``x0``); a Hutchinson probe comes from
+    the key too. Other arguments as :func:`log_likelihood`.
+    """
+    steps = _check_density_args(model, prediction, divergence, probe, method, steps)
+    _checks.check_key(key)
+    if key.ndim != 1:
+        raise ValueError(f"key must be one key of shape (2,), got shape {tuple(key.shape)}")
+    shape = _checks.check_shape("shape", shape)
+    if len(shape) < 2:
+        raise ValueError(f"shape must be (batch, ...) with at least one event axis, got {shape}")
+    start, t1 = _span(t0, t1, prediction)
+    k_base, k_probe = fr.split(key)
+    if x0 is None:
+        _checks.check_float_dtype("dtype", dtype)
+        x0 = fr.normal(k_base, shape, dtype=dtype)
+    elif not isinstance(x0, Tensor) or tuple(x0.shape) != shape or not x0.is_floating_point():
+        raise ValueError(f"x0 must be a floating tensor of shape {shape}")
+    p = _probe(k_probe, x0, probe) if divergence == "hutchinson" else None
+    f = velocity_field(model, itp.linear() if interpolant is None else interpolant, prediction)
+    x, integral, info = _transport(f, x0, start, t1, method, steps, rtol, atol, divergence, p)
+    return x, _log_normal(x0) - integral, info
