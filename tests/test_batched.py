@@ -213,3 +213,29 @@ def test_compiled_step_traces_the_batched_gradient_and_new_weights_do_not_recomp
     want, _ = fnebm.langevin(new, 0.05).step(state, keys)
     torch.testing.assert_close(got.position, want.position, rtol=1e-5, atol=1e-6)
     assert counter.frame_count == 1
+
+
+# ------------------------------------------- compile="auto": measured costs, announced compiles
+
+
+def test_auto_uses_the_measured_compile_time_and_announces_a_compile():
+    from fnebm.chain.runner import CompileNotice, RunnerCache
+
+    cache = RunnerCache()  # Inductor, default estimate: measures its compiles
+    cache.ledger("kind", "shapes").record(0.1, 1)  # an eager step takes 0.1 s
+    with pytest.warns(CompileNotice, match="compiles this sampler now"):
+        plan = cache.plan("kind", "shapes", 300, "auto")  # 30 s eagerly > the 20 s assumed: compile
+    assert plan.compiles and "taken to cost" in plan.reason
+    calls = []
+    run = cache._timed("kind", lambda *args: calls.append(args) or "out")
+    assert run(1, 2) == "out" and calls == [(1, 2)] and cache.compile_s["kind"] >= 0.0
+    cache.compile_s["kind"] = 50.0  # as if its first compiled call had taken 50 s
+    plan = cache.plan("kind", "shapes", 300, "auto")  # 30 s eagerly <= the 50 s measured: stay eager
+    assert not plan.compiled and plan.compile_estimate_s == 50.0 and "took here" in plan.reason
+    cache.ledger("other", "shapes").record(0.1, 1)
+    other = cache.plan("other", "shapes", 300, "auto")  # another graph: the estimate, raised to 50 s
+    assert not other.compiled and other.compile_estimate_s == 50.0
+    cache.clear()
+    assert cache.compile_s == {}
+    fixed = RunnerCache(compile_estimate_s=12.0)  # an explicit estimate is kept: nothing measured
+    assert fixed._timed("kind", len) is len
