@@ -95,10 +95,14 @@ def make_fnebm(net, x0, steps):
     def run():
         alg = fnebm.langevin(energies.bind(*energies.from_module(net)), H, S)
         state = torch.func.vmap(alg.init)(x0)
-        _, trace, _ = fnebm.sample_chain(alg.step, state, fnebm.random.key(0), steps, thin=steps, progress=False)
+        _, trace, _ = fnebm.sample_chain(alg.step, state, fnebm.random.key(0), steps, thin=steps, progress=False,
+                                         on_plan=lambda plan: PLANS.append("compiled" if plan.compiled else "eager"))
         return trace[-1]
 
     return run
+
+
+PLANS: list[str] = []  # what each fnebm call ran (on_plan), reported by the worker
 
 
 def make_plain(net, x0, steps):
@@ -147,7 +151,8 @@ def _worker(impls: list[str], workload: str, calls: int, warm_rounds: int, steps
     import_s = time.perf_counter() - t0
     net, x0 = make_net(workload), start(workload)
     runs = {name: MAKERS[name](net, x0, steps) for name in impls}
-    out = {"import_s": import_s, "threads": torch.get_num_threads(), "calls": {}, "warm": {n: [] for n in impls}}
+    out = {"import_s": import_s, "threads": torch.get_num_threads(), "calls": {}, "warm": {n: [] for n in impls},
+           "fnebm_plans": PLANS}
     for name, run in runs.items():  # the first `calls` calls of each, in turn
         ts = []
         for _ in range(calls):
@@ -209,6 +214,7 @@ def main() -> None:
         steps = QUICK[workload] if a.quick else steps
         rows = {f"fnebm {t}": {"cold": [], "cold_second_call": [], "second_process": [], "import": []} for t in trees}
         rows.update({p: {"cold": [], "cold_second_call": [], "second_process": [], "import": []} for p in peers})
+        plans = {}
         for _ in range(a.rounds):  # A B A B: one fresh process per implementation, in turn
             for label in rows:
                 tree = trees[label.split()[1]] if label.startswith("fnebm") else a.after
@@ -223,10 +229,13 @@ def main() -> None:
                 rows[label]["cold_second_call"].append(first["calls"][impl][1])
                 rows[label]["second_process"].append(again["calls"][impl][0])
                 rows[label]["import"].append(first["import_s"])
+                if impl == "fnebm":
+                    plans.setdefault(label, []).append(first["fnebm_plans"] + again["fnebm_plans"])
         warm = {}
         for t, tree in trees.items():  # one process per tree: fnebm beside the peers, call by call
             w = _spawn(tree, ["fnebm"] + peers, workload, 2, a.warm, steps, None)
             warm[f"fnebm {t}"] = w["warm"]
+            warm[f"fnebm {t}"]["plans"] = w["fnebm_plans"]
         summary = {}
         for label, r in rows.items():
             s = {k: _med(v) for k, v in r.items()}
@@ -235,9 +244,12 @@ def main() -> None:
                     continue
                 for phase in ("cold", "cold_second_call", "second_process"):
                     s[f"{phase}_ratio_to_{peer}"] = _med([x / y for x, y in zip(r[phase], rows[peer][phase])])
+            if label in plans:
+                s["cold_plans"] = plans[label]
             if label in warm:
                 w = warm[label]
                 s["warm_s"] = _med(w["fnebm"])
+                s["warm_plans"] = w["plans"]
                 for peer in peers:
                     s[f"warm_{peer}_s"] = _med(w[peer])
                     s[f"warm_ratio_to_{peer}"] = _med([x / y for x, y in zip(w["fnebm"], w[peer])])

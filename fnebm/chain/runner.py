@@ -328,9 +328,9 @@ def _announce(plan: RunPlan, measured: bool) -> RunPlan:
     import sys
     import warnings
 
-    # the first frame outside fnebm: the user's call
+    # the first frame outside fnebm, the user's call (stacklevel 1 is this function, 2 its caller)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     cost = (f"a compile took {plan.compile_estimate_s:.3g} s in this process" if measured else
