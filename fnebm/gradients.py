@@ -8,6 +8,7 @@ where it has one. Both trace under ``torch.compile(fullgraph=True)``.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -67,12 +68,12 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     """
     _check(energy)
     chain_ndim = _checks.check_int("chain_ndim", chain_ndim, 0)
-    batch = None if chain_ndim == 0 or _closed_form(energy) else batch_form(energy)
-    if batch is None:
+    batch = None if _closed_form(energy) else batch_form(energy)
+    if batch is None or chain_ndim == 0:
         fn = _one_sample(energy)
         for _ in range(chain_ndim):
             fn = torch.func.vmap(fn)
-        return fn
+        return fn if batch is None else functools.partial(_one_sample_of_a_batch, energy, batch, fn)
 
     def batched(x: Tensor) -> tuple[Tensor, Tensor]:
         chains = x.shape[:chain_ndim]
@@ -89,6 +90,47 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
         return value.reshape(chains), grad.reshape(x.shape)
 
     return batched
+
+
+def _one_sample_of_a_batch(energy, batch, one, x: Tensor) -> tuple[Tensor, Tensor]:
+    """One sample of a batched energy. Under one ``vmap`` over plain samples (``vmap(alg.init)``)
+    the batch form runs on the whole batch, by ``torch.autograd.grad``, as a step does: one
+    forward and one backward instead of a ``torch.func.grad`` per sample (whose first use also
+    imports Dynamo, a second or more). Anywhere else, ``one`` (the one-sample form)."""
+    found = _vmapped_batch(energy, x)
+    if found is None:
+        return one(x)
+    xs, level = found
+    with _outside_vmap(), torch.enable_grad():
+        leaf = xs.detach().requires_grad_(True)
+        value = batch(leaf)
+        (grad,) = torch.autograd.grad(value.sum(), leaf)
+    return _add_batch_dim(value.detach(), 0, level), _add_batch_dim(grad, 0, level)
+
+
+try:  # functorch's own wrappers, as torch.func uses them; without them, the one-sample form serves
+    from torch._C._functorch import _add_batch_dim, _unwrap_batched, is_batchedtensor, maybe_current_level
+    from torch._C._functorch import maybe_get_level
+    from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack as _outside_vmap
+except ImportError:  # pragma: no cover - another torch
+    _outside_vmap = None
+
+
+def _vmapped_batch(energy: object, x: Tensor) -> tuple[Tensor, int] | None:
+    """``(the batch (n, *event), vmap level)`` when ``x`` is one sample of a plain batch under the
+    innermost ``vmap`` and nothing asks for a graph through the energy; else ``None``."""
+    if _outside_vmap is None or torch.compiler.is_compiling() or not is_batchedtensor(x):
+        return None
+    level = maybe_get_level(x)
+    if level != maybe_current_level() or torch.is_inference_mode_enabled():
+        return None
+    xs, bdim = _unwrap_batched(x, level)
+    if torch._C._functorch.is_functorch_wrapped_tensor(xs) or xs.requires_grad:
+        return None  # nested transforms: the general path
+    for t in pytree.tree_leaves(energy):
+        if isinstance(t, Tensor) and (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return None
+    return xs.movedim(bdim, 0), level
 
 
 def _plain_eager(energy: object, xs: Tensor) -> bool:

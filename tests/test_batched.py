@@ -24,6 +24,20 @@ def test_import_fnebm_loads_no_compiler_stack():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_sampling_a_network_eagerly_loads_no_compiler_stack():
+    # the first eager run of a neural energy (init under vmap, steps) uses no torch.func.grad,
+    # whose first call would import Dynamo (1-3 s)
+    code = ("import fnebm, sys, torch; from fnebm import energies as E\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
+            "alg = fnebm.mala(E.bind(*E.from_module(net)), 0.1)\n"
+            "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
+            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)\n"
+            "print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_the_constant_mark_is_the_one_dynamo_sets():
     import torch._dynamo
 
@@ -80,6 +94,25 @@ def test_from_module_declares_its_batch_form_and_one_sample_calls_are_unchanged(
     torch.testing.assert_close(fast.batch(xs), torch.func.vmap(slow)(xs))
     assert torch.equal(fast(xs[2]), slow(xs[2]))  # one sample: the same module call as before
     E.check_batched(fast, xs)
+
+
+def test_init_under_vmap_takes_the_whole_batch_and_agrees_with_one_sample_calls():
+    fast, slow = _pair(_net())
+    x = _xs(5, 6)
+    a = torch.func.vmap(fnebm.mala(fast, 0.1).init)(x)
+    b = torch.func.vmap(fnebm.mala(slow, 0.1).init)(x)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    # a gradient through init w.r.t. the weights (torch.func.grad): the one-sample path, same values
+    g1 = torch.func.grad(lambda p: torch.func.vmap(fnebm.mala(E.bind(fast.energy_fn, p), 0.1).init)(x).grad.sum())(
+        fast.params)
+    g2 = torch.func.grad(lambda p: torch.func.vmap(fnebm.mala(E.bind(slow.energy_fn, p), 0.1).init)(x).grad.sum())(
+        slow.params)
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-9, atol=1e-9)
+    # nested vmap (a grid of chains): the one-sample path under the outer level
+    grid = torch.func.vmap(torch.func.vmap(fnebm.mala(fast, 0.1).init))(x.reshape(5, 1, 6))
+    torch.testing.assert_close(grid.grad.reshape(5, 6), b.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("chains", [(7,), (2, 3)])
