@@ -141,7 +141,7 @@ def _run(alg, n=4, steps=5, d=6, seed=3):
     lambda e: fnebm.langevin(e, 0.05),
     lambda e: fnebm.mala(e, 0.1),
     lambda e: fnebm.hmc(e, 0.1, torch.ones(6, dtype=F64), 3),
-    lambda e: fnebm.nuts(e, 0.1, torch.ones(6, dtype=F64)),
+    lambda e: fnebm.nuts(e, 0.1, torch.ones(6, dtype=F64), max_tree_depth=3),
 ])
 def test_batched_and_one_sample_energies_give_the_same_draws(make):
     # Not bit-identical: a matrix product over the batch may sum in another order than the
