@@ -64,7 +64,9 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     (no parameter or position requires grad), else by ``torch.func.vjp``, which ``vmap``,
     ``torch.func.grad`` (gradients through a chain w.r.t. the energy's parameters) and
     ``torch.compile(fullgraph=True)`` all trace. The values agree with the mapped one-sample
-    form to float rounding (a matrix product over a batch may sum in another order).
+    form to float rounding (a matrix product over a batch may sum in another order). With
+    ``chain_ndim=0`` under one ``vmap`` over plain samples (``vmap(alg.init)``), such an energy
+    is evaluated on the whole batch the same way (:func:`_one_sample_of_a_batch`).
     """
     _check(energy)
     chain_ndim = _checks.check_int("chain_ndim", chain_ndim, 0)
