@@ -342,10 +342,11 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
         # units converted in NumPy. For 128 chains x 784 values: about 3x faster.
         pairs = -(-used // 2)
         u = _units_numpy([words[i] for i in range(0, 2 * pairs, 2)] + [words[i] for i in range(1, 2 * pairs, 2)], work)
-        a, b = u[:pairs], u[pairs:]
-        r = torch.sqrt(-2.0 * torch.log(torch.clamp_min(a, _NORMAL_FLOOR)))
-        th = (2 * math.pi) * b
-        lanes = torch.stack((r * torch.cos(th), r * torch.sin(th)), dim=1)  # lanes 0, 1, 2, 3 in order
+        # in place on u (a fresh tensor): the same operations, fewer temporaries
+        r = u[:pairs].clamp_min_(_NORMAL_FLOOR).log_().mul_(-2.0).sqrt_()
+        th = u[pairs:].mul_(2 * math.pi)
+        c = torch.cos(th).mul_(r)
+        lanes = torch.stack((c, th.sin_().mul_(r)), dim=1)  # lanes 0, 1, 2, 3 in order
         return _planar_stacked(lanes, key, shape).to(dtype)
     lanes = []
     for i in range(0, used, 2):  # Box–Muller pairs (lanes 0, 1) and (2, 3), as far as they are used
