@@ -205,7 +205,12 @@ def main() -> None:
     if a.quick:
         a.rounds, a.warm = 1, 3
     trees = {"after": a.after} if a.before is None else {"before": a.before, "after": a.after}
-    peers = ["plain"] + ([] if a.no_torchebm else ["TorchEBM"])
+    import importlib.util
+
+    has_torchebm = importlib.util.find_spec("torchebm") is not None
+    if not has_torchebm and not a.no_torchebm:
+        print("torchebm is not installed (pip install torchebm==0.8.9): its rows are left out")
+    peers = ["plain"] + ([] if a.no_torchebm or not has_torchebm else ["TorchEBM"])
     load0 = os.getloadavg()
     results = {"host": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
                         "loadavg_start": load0},
