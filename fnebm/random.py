@@ -127,12 +127,24 @@ def _numpy_eligible(words: tuple) -> bool:
 def _philox_numpy(c0, c1, c2, c3, k0, k1, rounds: int):
     import numpy as np
 
-    c0, c1, c2, c3, k0, k1 = np.broadcast_arrays(*(w.numpy().view(np.uint64) for w in (c0, c1, c2, c3, k0, k1)))
+    # The counters are broadcast to the output's shape; the keys keep their own (a batch of keys
+    # is often far smaller than the blocks drawn under it), so their schedule costs little.
+    k0, k1 = (w.numpy().view(np.uint64) for w in (k0, k1))
+    shape = np.broadcast_shapes(*(w.shape for w in (c0, c1, c2, c3)), k0.shape, k1.shape)
+    c0, c1, c2, c3 = (np.broadcast_to(w.numpy().view(np.uint64), shape) for w in (c0, c1, c2, c3))
     m32, s32 = np.uint64(_M32), np.uint64(32)
     ra, rb, ka, kb = np.uint64(_ROUND_A), np.uint64(_ROUND_B), np.uint64(_KEY_A), np.uint64(_KEY_B)
     for _ in range(rounds):
-        p0, p1 = c0 * ra, c2 * rb  # exact: 32 x 32 bits fit in 64
-        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & m32, (p0 >> s32) ^ c3 ^ k1, p0 & m32
+        p0, p1 = c0 * ra, c2 * rb  # exact: 32 x 32 bits fit in 64; fresh arrays of the full shape (0-dim: scalars)
+        n0 = p1 >> s32
+        n0 ^= c1
+        n0 ^= k0
+        n2 = p0 >> s32
+        n2 ^= c3
+        n2 ^= k1
+        p1 &= m32
+        p0 &= m32
+        c0, c1, c2, c3 = n0, p1, n2, p0
         k0 = (k0 + ka) & m32
         k1 = (k1 + kb) & m32
     # every word is a fresh array of the broadcast shape (rounds >= 1): wrap it without a copy
@@ -269,6 +281,31 @@ def _to_unit(word: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (x.to(torch.float32) * _UNIFORM_SCALE).to(dtype)
 
 
+def _units_numpy(words: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_to_unit` of ``words`` (int64 tensors from :func:`_philox_numpy`), stacked: ``(len(words), *shape)``.
+
+    The eager CPU path: one pass in NumPy instead of five torch operations per word. The word
+    read as an ``int32`` ``x``, ``x < 0 -> -x - 1`` is ``x ^ (x >> 31)``; the int32 -> float
+    conversion and the multiply by a float32 (or float64) constant round as torch's do, so the
+    bits are those of :func:`_to_unit` (tested).
+    """
+    import numpy as np
+
+    x = np.stack([w.numpy() for w in words]).astype(np.uint32).view(np.int32)
+    x ^= x >> 31
+    if dtype == torch.float64:
+        return torch.from_numpy(x.astype(np.float64) * 2.0**-31)
+    u = torch.from_numpy(x.astype(np.float32) * np.float32(_UNIFORM_SCALE))
+    return u if dtype == torch.float32 else u.to(dtype)
+
+
+def _planar_stacked(lanes: torch.Tensor, key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    # _planar of lanes stacked as (n_lanes, m, *batch): their rows in order are elements 0, 1, ...
+    n, batch = math.prod(shape), key.shape[:-1]
+    out = lanes.reshape((-1,) + tuple(batch))[:n]
+    return _batch_last_to_first(out.reshape(shape + batch), len(batch))
+
+
 def uniform(
     key: torch.Tensor,
     shape: int | Sequence[int] = (),
@@ -281,7 +318,10 @@ def uniform(
     shape = _as_shape(shape)
     n_blocks = -(-math.prod(shape) // 4)
     words = _blocks(key, n_blocks)[: _lanes_used(shape, n_blocks)]
-    u = _planar([_to_unit(w, dtype) for w in words], key, shape)
+    if _numpy_eligible(words):
+        u = _planar_stacked(_units_numpy(words, dtype), key, shape)
+    else:
+        u = _planar([_to_unit(w, dtype) for w in words], key, shape)
     if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
         return u
     return minval + (maxval - minval) * u
@@ -296,6 +336,18 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     work = torch.float64 if dtype == torch.float64 else torch.float32
     words = _blocks(key, n_blocks)
     used = _lanes_used(shape, n_blocks)
+    if _numpy_eligible(words):
+        # Eagerly on the CPU: both Box–Muller pairs in one set of torch operations (the same
+        # elementwise operations on the same values as below, so the same bits: tested), on
+        # units converted in NumPy. For 128 chains x 784 values: about 3x faster.
+        pairs = -(-used // 2)
+        u = _units_numpy([words[i] for i in range(0, 2 * pairs, 2)] + [words[i] for i in range(1, 2 * pairs, 2)], work)
+        # in place on u (a fresh tensor): the same operations, fewer temporaries
+        r = u[:pairs].clamp_min_(_NORMAL_FLOOR).log_().mul_(-2.0).sqrt_()
+        th = u[pairs:].mul_(2 * math.pi)
+        c = torch.cos(th).mul_(r)
+        lanes = torch.stack((c, th.sin_().mul_(r)), dim=1)  # lanes 0, 1, 2, 3 in order
+        return _planar_stacked(lanes, key, shape).to(dtype)
     lanes = []
     for i in range(0, used, 2):  # Box–Muller pairs (lanes 0, 1) and (2, 3), as far as they are used
         a, b = _to_unit(words[i], work), _to_unit(words[i + 1], work)

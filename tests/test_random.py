@@ -190,3 +190,23 @@ def test_compiled_equals_eager():
 def test_bad_input_raises(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_eager_normal_and_uniform_are_the_torch_paths_bits(dtype):
+    # The eager CPU path converts words in NumPy and runs both Box–Muller pairs as one set of
+    # operations: the same bits as the torch path (every lane count, key batch and event shape).
+    cases = [((), (5,)), ((3,), ()), ((3,), (1,)), ((3,), (2,)), ((3,), (3,)), ((4,), (7,)), ((2, 3), (2, 5)),
+             ((16,), (784,)), ((2,), (1, 28, 28)), ((3,), (0,)), ((100,), (2,))]
+    try:
+        for batch, shape in cases:
+            k = fr.fold_in(fr.key(41), 5)
+            keys = k if batch == () else fr.split(k, math.prod(batch)).reshape(batch + (2,))
+            for draw in (fr.normal, fr.uniform):
+                fr._NUMPY_EAGER = True
+                a = draw(keys, shape, dtype)
+                fr._NUMPY_EAGER = False
+                b = draw(keys, shape, dtype)
+                assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (draw.__name__, batch, shape)
+    finally:
+        fr._NUMPY_EAGER = True

@@ -223,6 +223,7 @@ class RunnerCache:
     def __init__(self, maxsize: int = 64, backend: Any = "inductor", compile_estimate_s: float | None = None):
         self.maxsize = maxsize
         self.backend = backend
+        self._measure = compile_estimate_s is None and backend == "inductor"  # see compile_s
         if compile_estimate_s is None:
             compile_estimate_s = 20.0 if backend == "inductor" else 0.0
         if not (isinstance(compile_estimate_s, (int, float)) and compile_estimate_s >= 0):
@@ -232,6 +233,9 @@ class RunnerCache:
         self._probes: OrderedDict[Hashable, Any] = OrderedDict()
         self._ledgers: OrderedDict[Hashable, _Ledger] = OrderedDict()
         self._lock = threading.Lock()
+        # seconds of each runner's first compiled call (compile + one chunk), measured in this
+        # process: auto's cost of a compile once one is known (only with the default estimate)
+        self.compile_s: dict[Hashable, float] = {}
 
     def ledger(self, key: Hashable, shapes: Hashable) -> _Ledger:
         """The eager time spent and compile state of one kind of step at one set of shapes."""
@@ -263,15 +267,45 @@ class RunnerCache:
             return RunPlan(True, False, "compiled earlier in this process", per, est, steps)
         if compile is True:
             return RunPlan(True, True, "compile=True", per, est, steps)
+        est, measured = self._compile_cost(key)
         if per is None:
-            return RunPlan(True, True, "no eager step timed", per, est, steps)
+            return _announce(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
         eager = per * steps
+        cost = "a compile took here" if measured else "a compile is taken to cost"
         if ledger.eager_s + eager <= est:
             return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
-                                         f"the {est:.3g} s a compile is taken to cost", per, est, steps)
-        return RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
-                                   f"spent eagerly), more than the {est:.3g} s a compile is taken to cost",
-                       per, est, steps)
+                                         f"the {est:.3g} s {cost}", per, est, steps)
+        return _announce(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
+                                             f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
+                         measured)
+
+    def _compile_cost(self, key: Hashable) -> tuple[float, bool]:
+        """What ``auto`` takes a compile to cost, and whether that was measured: this runner's first
+        compiled call where it ran in this process (its graph, maybe from Inductor's on-disk
+        cache); for another graph ``compile_estimate_s``, raised to the longest first call
+        measured (a busy machine compiles slower than the estimate assumes)."""
+        if not self._measure:
+            return self.compile_estimate_s, False
+        if key in self.compile_s:
+            return self.compile_s[key], True
+        longest = max(self.compile_s.values(), default=0.0)
+        return (longest, True) if longest > self.compile_estimate_s else (self.compile_estimate_s, False)
+
+    def _timed(self, key: Hashable, run: Callable) -> Callable:
+        """``run`` whose first successful call is timed into ``compile_s[key]``."""
+        if not self._measure:
+            return run
+        import time
+
+        def first_timed(*args):
+            if key in self.compile_s:
+                return run(*args)
+            t0 = time.perf_counter()
+            out = run(*args)
+            self.compile_s[key] = time.perf_counter() - t0
+            return out
+
+        return first_timed
 
     def probe(self, key: Hashable, shapes: Hashable, make: Callable[[], Any]) -> Any:
         """``make()`` (one eager step: what a run keeps, as meta tensors), once per runner and shapes."""
@@ -290,7 +324,7 @@ class RunnerCache:
             run = self._runners.pop(key, None)
             if run is None:
                 backend = inductor_backend if self.backend == "inductor" else self.backend
-                run = torch.compile(_fresh(_chunk), fullgraph=True, backend=backend)
+                run = self._timed(key, torch.compile(_fresh(_chunk), fullgraph=True, backend=backend))
             self._runners[key] = run
             while len(self._runners) > self.maxsize:
                 self._runners.popitem(last=False)
@@ -304,6 +338,33 @@ class RunnerCache:
             self._runners.clear()
             self._probes.clear()
             self._ledgers.clear()
+            self.compile_s.clear()
 
 
 default_cache = RunnerCache()
+
+
+class CompileNotice(UserWarning):
+    """``sample_chain(compile="auto")`` is about to compile a graph: the call waits for it.
+
+    Said as a warning (once per calling line, Python's default) beside the ``RunPlan`` that
+    ``on_plan`` gets, so a compile never stalls a loop unannounced; ``compile=False`` keeps
+    eager steps, ``compile=True`` compiles from the first call without this notice.
+    """
+
+
+def _announce(plan: RunPlan, measured: bool) -> RunPlan:
+    import sys
+    import warnings
+
+    # the first frame outside fnebm, the user's call (stacklevel 1 is this function, 2 its caller)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    cost = (f"a compile took {plan.compile_estimate_s:.3g} s in this process" if measured else
+            "a first compile takes tens of seconds on a small CPU (less from Inductor's on-disk cache)")
+    warnings.warn(f"fnebm.sample_chain(compile='auto') compiles this sampler now, and this call waits for it "
+                  f"({plan.reason}; {cost}). Pass compile=False to keep eager steps, or compile=True to compile "
+                  "from the first call.", CompileNotice, stacklevel=level)
+    return plan

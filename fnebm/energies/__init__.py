@@ -12,7 +12,7 @@ function taking an energy reuses its graph for new parameter values of the same 
 Layout: :mod:`~fnebm.energies.base` (the ``Energy`` protocol, checks, pytree registration,
 ``from_logdensity``), :mod:`~fnebm.energies.analytic` (closed-form families),
 :mod:`~fnebm.energies.mixture` (``GaussianMixture``), :mod:`~fnebm.energies.neural`
-(``from_module``, ``bind``).
+(``from_module``, ``bind``, and ``batched``: energies that evaluate a whole batch in one call).
 """
 
 import torch
@@ -33,7 +33,16 @@ from fnebm.energies.analytic import (
 )
 from fnebm.energies.base import Energy, LogDensityEnergy, from_logdensity, static_field
 from fnebm.energies.mixture import GaussianMixture, gaussian_mixture
-from fnebm.energies.neural import BoundEnergy, bind, from_module
+from fnebm.energies.neural import (
+    BatchedEnergy,
+    BoundEnergy,
+    ModuleEnergy,
+    batch_form,
+    batched,
+    bind,
+    check_batched,
+    from_module,
+)
 
 __all__ = [
     "Energy",
@@ -55,6 +64,11 @@ __all__ = [
     "gaussian_mixture",
     "from_module",
     "bind",
+    "batched",
+    "BatchedEnergy",
+    "ModuleEnergy",
+    "batch_form",
+    "check_batched",
     "from_logdensity",
     "static_field",
 ]

@@ -194,6 +194,8 @@ class Energy:
 
     name: ClassVar[str] = "energy"
     min_dim: ClassVar[int] = 1
+    # no whole-batch form (see fnebm.energies.batch_form): a closed-form grad serves batches under vmap
+    batched: ClassVar[bool] = False
 
     def __init_subclass__(cls, pytree: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

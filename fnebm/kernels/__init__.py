@@ -50,6 +50,17 @@ def __getattr__(name: str):
     return value
 
 
+def _assume_constant_result(fn):
+    """``torch._dynamo.assume_constant_result(fn)`` without importing ``torch._dynamo`` (about 1.2 s).
+
+    Dynamo reads the mark when it traces a call of ``fn`` (and is imported by then); setting it
+    at import time keeps ``import fnebm`` as cheap as ``import torch``. tests/test_batched.py
+    checks that the mark is the one torch's decorator sets.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def __dir__():
     return sorted({n for n in globals() if not n.startswith("_")} | set(_WHERE))
 

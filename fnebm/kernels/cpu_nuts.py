@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm.kernels import cpu_chain
+from fnebm.kernels import _assume_constant_result, cpu_chain
 from fnebm.kernels._cbuild import CLibrary
 
 __all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "MAX_COEFFICIENTS"]
@@ -62,7 +62,7 @@ def _setup(lib: ctypes.CDLL) -> None:
 LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ("-ffp-contract=off",))], [_SOURCE, cpu_chain._HEADER], _setup)
 
 
-@torch._dynamo.assume_constant_result  # traced code asks too: it builds and loads then, once, outside the graph
+@_assume_constant_result  # traced code asks too: it builds and loads then, once, outside the graph
 def available() -> str | None:
     """``None`` when the C kernel is built (or builds now) and loads, else why not (one phrase)."""
     return LIBRARY.available()

@@ -25,7 +25,6 @@ from fnebm.samplers.base import (
     check_energy,
     init_position_state,
     all_finite,
-    over_batch,
     per_chain,
 )
 from fnebm.samplers.proposal import metropolis_hastings, select
@@ -116,7 +115,7 @@ def build_transition(
             u = fr.uniform(keys[..., 2, :], (), x.dtype).reshape(batch + (1,) * (x.ndim - len(batch)))
             h = h * (1.0 + j * (2.0 * u - 1.0))
         p0 = metric.sample_momentum(keys[..., 0, :], x)
-        vg = over_batch(value_and_grad(energy_fn), len(batch))
+        vg = value_and_grad(energy_fn, len(batch))
         start = IntegratorState(x, p0, state.energy, state.grad)
         static = isinstance(num_integration_steps, int) and not trajectory_jitter
         if static:

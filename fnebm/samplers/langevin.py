@@ -22,7 +22,6 @@ from fnebm.samplers.base import (
     check_energy,
     init_position_state,
     all_finite,
-    over_batch,
     per_chain,
 )
 from fnebm.samplers.proposal import select
@@ -71,7 +70,7 @@ def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:
         h = per_chain("step_size", step_size, batch, x)
         sigma = per_chain("noise_scale", noise_scale, batch, x)
         proposal = euler_maruyama(x, state.grad, h, fr.normal(key, x.shape[len(batch):], x.dtype), sigma)
-        energy, grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
+        energy, grad = value_and_grad(energy_fn, len(batch))(proposal)
         finite = all_finite(energy, grad, proposal, n_batch=len(batch))
         new = select(finite, LangevinState(proposal, energy, grad), state)
         return LangevinState(*new), LangevinInfo(is_divergent=~finite)

@@ -23,7 +23,6 @@ from fnebm.samplers.base import (
     init_position_state,
     all_finite,
     event_sum,
-    over_batch,
     per_chain,
 )
 from fnebm.gradients import value_and_grad
@@ -95,7 +94,7 @@ def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
         h = per_chain("step_size", step_size, batch, x)
         keys = fr.split(key)
         proposal = euler_maruyama(x, grad, h, fr.normal(keys[..., 0, :], x.shape[len(batch):], x.dtype))
-        new_energy, new_grad = over_batch(value_and_grad(energy_fn), len(batch))(proposal)
+        new_energy, new_grad = value_and_grad(energy_fn, len(batch))(proposal)
         log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, h.reshape(h.shape[:len(batch)]))
         finite = all_finite(new_energy, new_grad, n_batch=len(batch))
         decision = metropolis_hastings(keys[..., 1, :], log_alpha, finite)

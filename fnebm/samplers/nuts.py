@@ -89,7 +89,6 @@ from fnebm.samplers.base import (
     check_energy,
     all_finite,
     init_position_state,
-    over_batch,
     per_chain,
 )
 
@@ -184,7 +183,7 @@ def build_kernel(
         k_traj = keys[..., 1, :]
         v0 = metric.velocity(p0)
         h0 = state.energy + 0.5 * _dot(p0, v0)
-        vg = over_batch(value_and_grad(energy_fn), len(batch))
+        vg = value_and_grad(energy_fn, len(batch))
         n_event = x0.ndim - len(batch)
         dtype, device = x0.dtype, x0.device
         # checkpoint slots, leading the chain axes: (depth, *chains, 1...)

@@ -1,0 +1,274 @@
+"""Import cost, and the batched form of energies: one forward and one backward for all chains.
+
+* ``import fnebm`` loads nothing heavy (Dynamo, Inductor, sympy, triton) until it is used: a
+  behavioural check in a fresh process, not a time.
+* An energy that evaluates a whole batch in one call (``from_module``, ``bind(batch_fn=)``,
+  ``batched``) gives the same values, gradients and draws as its one-sample form.
+"""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from fnebm.kernels import _assume_constant_result
+
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "triton")
+
+
+def test_import_fnebm_loads_no_compiler_stack():
+    code = "import fnebm, sys; print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_sampling_a_network_eagerly_loads_no_compiler_stack():
+    # the first eager run of a neural energy (init under vmap, steps) uses no torch.func.grad,
+    # whose first call would import Dynamo (1-3 s)
+    code = ("import fnebm, sys, torch; from fnebm import energies as E\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
+            "alg = fnebm.mala(E.bind(*E.from_module(net)), 0.1)\n"
+            "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
+            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)\n"
+            "print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_constant_mark_is_the_one_dynamo_sets():
+    import torch._dynamo
+
+    def ours():
+        return None
+
+    def theirs():
+        return None
+
+    _assume_constant_result(ours)
+    torch._dynamo.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
+
+
+# ------------------------------------------------------------------ the batched form
+
+import pytest  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fnebm  # noqa: E402
+from fnebm import energies as E  # noqa: E402
+from fnebm import random as fr  # noqa: E402
+from fnebm.gradients import value_and_grad  # noqa: E402
+
+F64 = torch.float64
+
+
+def _net(d=6, h=16, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)  # the test's own generator: weights only
+    net = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 1)).to(dtype)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
+    return net
+
+
+def _pair(net):
+    """The same network as a batched energy and as a one-sample one."""
+    fn, params = E.from_module(net)
+    one_fn, _ = E.from_module(net, batched=False)
+    return E.bind(fn, params), E.bind(one_fn, params)
+
+
+def _xs(*shape, seed=1, dtype=F64):
+    return fr.normal(fr.key(seed), shape, dtype)
+
+
+def test_from_module_declares_its_batch_form_and_one_sample_calls_are_unchanged():
+    fast, slow = _pair(_net())
+    assert fast.batched and E.batch_form(fast) is not None
+    assert not slow.batched and E.batch_form(slow) is None
+    assert E.batch_form(E.gaussian([0.0, 1.0], torch.eye(2))) is None
+    xs = _xs(5, 6)
+    torch.testing.assert_close(fast.batch(xs), torch.func.vmap(slow)(xs))
+    assert torch.equal(fast(xs[2]), slow(xs[2]))  # one sample: the same module call as before
+    E.check_batched(fast, xs)
+
+
+def test_init_under_vmap_takes_the_whole_batch_and_agrees_with_one_sample_calls():
+    fast, slow = _pair(_net())
+    x = _xs(5, 6)
+    a = torch.func.vmap(fnebm.mala(fast, 0.1).init)(x)
+    b = torch.func.vmap(fnebm.mala(slow, 0.1).init)(x)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    # a gradient through init w.r.t. the weights (torch.func.grad): the one-sample path, same values
+    g1 = torch.func.grad(lambda p: torch.func.vmap(fnebm.mala(E.bind(fast.energy_fn, p), 0.1).init)(x).grad.sum())(
+        fast.params)
+    g2 = torch.func.grad(lambda p: torch.func.vmap(fnebm.mala(E.bind(slow.energy_fn, p), 0.1).init)(x).grad.sum())(
+        slow.params)
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-9, atol=1e-9)
+    # nested vmap (a grid of chains): the one-sample path under the outer level
+    grid = torch.func.vmap(torch.func.vmap(fnebm.mala(fast, 0.1).init))(x.reshape(5, 1, 6))
+    torch.testing.assert_close(grid.grad.reshape(5, 6), b.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chains", [(7,), (2, 3)])
+def test_one_forward_and_backward_equal_the_mapped_one_sample_gradients(chains):
+    fast, slow = _pair(_net())
+    x = _xs(*chains, 6)
+    v1, g1 = value_and_grad(fast, len(chains))(x)
+    v2, g2 = value_and_grad(slow, len(chains))(x)
+    assert v1.shape == chains and g1.shape == x.shape
+    torch.testing.assert_close(v1, v2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
+    # the functorch path (taken when a graph is asked for, or under vmap/grad/compile) agrees too
+    params = {k: v.clone().requires_grad_(True) for k, v in fast.params.items()}
+    v3, g3 = value_and_grad(E.bind(fast.energy_fn, params), len(chains))(x)
+    assert g3.requires_grad  # differentiable w.r.t. the parameters, as the one-sample form is
+    torch.testing.assert_close(v3.detach(), v2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g3.detach(), g2, rtol=1e-12, atol=1e-12)
+
+
+def _run(alg, n=4, steps=5, d=6, seed=3):
+    state = torch.func.vmap(alg.init)(_xs(n, d, seed=seed))
+    return fnebm.sample_chain(alg.step, state, fr.key(seed), steps, compile=False, progress=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda e: fnebm.langevin(e, 0.05),
+    lambda e: fnebm.mala(e, 0.1),
+    lambda e: fnebm.hmc(e, 0.1, torch.ones(6, dtype=F64), 3),
+    lambda e: fnebm.nuts(e, 0.1, torch.ones(6, dtype=F64), max_tree_depth=3),
+])
+def test_batched_and_one_sample_energies_give_the_same_draws(make):
+    # Not bit-identical: a matrix product over the batch may sum in another order than the
+    # mapped one-sample products, so gradients differ by rounding (float64 here: ~1e-16).
+    fast, slow = _pair(_net())
+    (s1, t1, i1), (s2, t2, i2) = _run(make(fast)), _run(make(slow))
+    torch.testing.assert_close(t1, t2, rtol=1e-9, atol=1e-9)
+    for a, b in zip(i1, i2):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b)
+
+
+def test_gradients_through_a_chain_wrt_the_network_weights_agree():
+    fast, slow = _pair(_net())
+    x0 = _xs(3, 6)
+
+    def loss(params, fn):
+        alg = fnebm.langevin(E.bind(fn, params), 0.05)
+        state = torch.func.vmap(alg.init)(x0)
+        keys = fr.split(fr.key(4), 3)
+        for t in range(3):
+            state, _ = alg.step(state, fr.fold_in(keys, t))
+        return state.position.square().sum()
+
+    g1 = torch.func.grad(loss)(fast.params, fast.energy_fn)
+    g2 = torch.func.grad(loss)(slow.params, slow.energy_fn)
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-9, atol=1e-9)
+
+
+def test_a_step_vmapped_over_more_chains_equals_the_batch():
+    fast, _ = _pair(_net())
+    alg = fnebm.langevin(fast, 0.05)
+    state = torch.func.vmap(alg.init)(_xs(2, 3, 6).reshape(6, 6))
+    keys = fr.split(fr.key(5), 6)
+    flat, _ = alg.step(state, keys)
+    grid = type(state)(*(x.reshape((2, 3) + x.shape[1:]) for x in state))
+    outer, _ = torch.func.vmap(alg.step)(grid, keys.reshape(2, 3, 2))
+    torch.testing.assert_close(outer.position.reshape(6, 6), flat.position, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_functions_with_and_without_params():
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    e = E.batched(lambda xs: 0.5 * (w * xs * xs).sum(-1))
+    xs = _xs(4, 3)
+    assert e.batched and torch.equal(e(xs[1]), e.batch(xs[1:2])[0])
+    v, g = value_and_grad(e, 1)(xs)
+    torch.testing.assert_close(g, w * xs)
+    b = E.batched(lambda p, xs: 0.5 * (p["w"] * xs * xs).sum(-1, keepdim=True), {"w": w})
+    assert isinstance(b, E.BoundEnergy) and b.batched
+    torch.testing.assert_close(value_and_grad(b, 1)(xs)[1], w * xs)
+    # one form per function: rebuilt with new parameters, the same pytree context (and graph)
+    fn = b.energy_fn.fn
+    assert E.batched(fn, {"w": 2 * w}).energy_fn is b.energy_fn
+    with pytest.raises(ValueError, match="one energy per sample"):
+        E.batched(lambda xs: xs.sum())(xs[0])
+    with pytest.raises(TypeError, match="fn must be callable"):
+        E.batched(3)
+
+
+class _Centre(nn.Module):
+    def forward(self, h):
+        return h - h.mean(0)  # across the batch: each sample's output depends on the others
+
+
+def test_an_energy_that_depends_on_the_rest_of_its_batch_is_refused():
+    net = nn.Sequential(nn.Linear(6, 8), _Centre(), nn.Tanh(), nn.Linear(8, 1)).to(F64)
+    e = E.bind(*E.from_module(net))
+    xs = _xs(5, 6)
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        value_and_grad(e, 1)(xs)
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        E.check_batched(e, xs)
+    one = E.bind(*E.from_module(net, batched=False))  # one sample at a time: what E(x) means
+    assert value_and_grad(one, 1)(xs)[0].shape == (5,)
+    # batch normalisation in training mode cannot even take one sample: torch says so
+    bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)).to(F64)
+    with pytest.raises(ValueError):
+        value_and_grad(E.bind(*E.from_module(bn)), 1)(xs)
+    bn.eval()
+    value_and_grad(E.bind(*E.from_module(bn)), 1)(xs)  # running statistics: accepted
+    cross = E.batched(lambda xs: xs.sum(-1) - xs.sum(-1).mean())
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        value_and_grad(cross, 1)(xs)
+
+
+@pytest.mark.compile
+def test_compiled_step_traces_the_batched_gradient_and_new_weights_do_not_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fast, slow = _pair(_net(dtype=torch.float32))
+    alg = fnebm.langevin(fast, 0.05)
+    state = torch.func.vmap(alg.init)(_xs(8, 6, dtype=torch.float32))
+    keys = fr.split(fr.key(6), 8)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda e, s, k: fnebm.langevin(e, 0.05).step(s, k), fullgraph=True, backend=counter)
+    got, _ = step(fast, state, keys)
+    want, _ = alg.step(state, keys)
+    torch.testing.assert_close(got.position, want.position, rtol=1e-5, atol=1e-6)
+    new = E.bind(fast.energy_fn, {k: v * 1.1 for k, v in fast.params.items()})
+    got, _ = step(new, state, keys)
+    want, _ = fnebm.langevin(new, 0.05).step(state, keys)
+    torch.testing.assert_close(got.position, want.position, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+# ------------------------------------------- compile="auto": measured costs, announced compiles
+
+
+def test_auto_uses_the_measured_compile_time_and_announces_a_compile():
+    from fnebm.chain.runner import CompileNotice, RunnerCache
+
+    cache = RunnerCache()  # Inductor, default estimate: measures its compiles
+    cache.ledger("kind", "shapes").record(0.1, 1)  # an eager step takes 0.1 s
+    with pytest.warns(CompileNotice, match="compiles this sampler now"):
+        plan = cache.plan("kind", "shapes", 300, "auto")  # 30 s eagerly > the 20 s assumed: compile
+    assert plan.compiles and "taken to cost" in plan.reason
+    calls = []
+    run = cache._timed("kind", lambda *args: calls.append(args) or "out")
+    assert run(1, 2) == "out" and calls == [(1, 2)] and cache.compile_s["kind"] >= 0.0
+    cache.compile_s["kind"] = 50.0  # as if its first compiled call had taken 50 s
+    plan = cache.plan("kind", "shapes", 300, "auto")  # 30 s eagerly <= the 50 s measured: stay eager
+    assert not plan.compiled and plan.compile_estimate_s == 50.0 and "took here" in plan.reason
+    cache.ledger("other", "shapes").record(0.1, 1)
+    other = cache.plan("other", "shapes", 300, "auto")  # another graph: the estimate, raised to 50 s
+    assert not other.compiled and other.compile_estimate_s == 50.0
+    cache.clear()
+    assert cache.compile_s == {}
+    fixed = RunnerCache(compile_estimate_s=12.0)  # an explicit estimate is kept: nothing measured
+    assert fixed._timed("kind", len) is len
