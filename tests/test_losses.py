@@ -235,7 +235,9 @@ def test_cd_gradient_is_the_energy_difference_with_negatives_held_fixed():
     # asked for, the gradient also flows through the chain: a different gradient, same loss value
     g2, aux2 = torch.func.grad(L.contrastive_divergence, has_aux=True)(energy, x, fr.key(21),
                                                                        grad_through_sampler=True, **kw)
-    assert torch.equal(aux2.negatives, aux.negatives)
+    # the same chain to the last bit or so: differentiated through, the energy's batched gradient is
+    # torch.func's vjp rather than autograd.grad (one ulp apart in float64, measured)
+    torch.testing.assert_close(aux2.negatives, aux.negatives, rtol=0, atol=1e-14)
     assert max((a - b).abs().max() for a, b in zip(pytree.tree_leaves(g), pytree.tree_leaves(g2))) > 1e-3
 
 
