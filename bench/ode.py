@@ -16,7 +16,7 @@ the same problem at the same ``rtol``/``atol`` and reports:
   first_s    the first call in this process (compiles included), then the warm rounds
 
 and, unless --no-cold, the compiled rows' first call in a fresh process with an empty Inductor
-cache (cold) and again with that cache (second process).
+cache of its own (cold) and again with that cache (second process).
 
 Rows: ``torchdiffeq`` (eager, as used); ``torchdiffeq + compiled net`` (the network through
 ``torch.compile``, the solver's Python loop as is); ``fnebm eager``; ``fnebm compiled k=K``
@@ -195,10 +195,11 @@ def main() -> None:
         r["warm_s"] = statistics.median(r["times"])
         r["ratio_vs_torchdiffeq"] = statistics.median(b / a for a, b in zip(r["times"], base))
     if not args.no_cold:
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-            for phase in ("cold_s", "second_process_s"):
-                for name in [f"fnebm compiled k={k}" for k in ks] + (["fnebm compiled k=1 max-autotune"] if args.device == "cpu" else []):
+        names = [f"fnebm compiled k={k}" for k in ks] + (["fnebm compiled k=1 max-autotune"] if args.device == "cpu" else [])
+        for name in names:  # each row its own empty Inductor cache, then a second process on it
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                for phase in ("cold_s", "second_process_s"):
                     cmd = [sys.executable, __file__, "--worker", name, "--worker-k", name.split("=")[1].split()[0],
                            "--batch", str(args.batch), "--rtol", str(args.rtol), "--threads", str(args.threads),
                            "--device", args.device] + (["--quick"] if args.quick else [])

@@ -37,7 +37,7 @@ loop runs until the slowest sample is done and each iteration costs a full batch
 Measured on 10,000 2-D samples through a trained 2-128-128-2 MLP velocity at
 ``rtol = atol = 1e-5`` (``bench/ode.py``, ``docs/generative.md``): batch-wide took 44 batched
 evaluations (max error over the batch 5.1e-4, RMS 5.9e-5), per-sample 68 (2.2e-4, 4.1e-5) and
-1.6x the wall time. Batch-wide is the default; per-sample bounds every sample's own local
+about 1.5x the wall time. Batch-wide is the default; per-sample bounds every sample's own local
 error, for a batch that mixes easy and hard samples where each must meet the tolerance.
 
 Everything follows ``x0``'s device and dtype; the coefficients are Python floats (static data
