@@ -430,3 +430,16 @@ def test_window_adaptation_names_an_algorithm_that_cannot_take_a_mass_matrix():
                              (lambda *a, **kw: fnebm.hmc(*a, **kw), dict(num_integration_steps=3)),
                              (fnebm.nuts, dict(max_tree_depth=4))):
         window_adaptation(algorithm, target, 10, **extra)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(integrator=(0.5, 0.5)), ValueError, "integrator must be a palindrome of odd length"),
+    (dict(integrator="leapfrog"), TypeError, "integrator must be a tuple of coefficients"),
+    (dict(divergence_threshold=-1.0), ValueError, "divergence_threshold must be > 0 and finite"),
+    (dict(divergence_threshold="big"), TypeError, "divergence_threshold must be a real number"),
+    (dict(learning_rate=math.inf), ValueError, "learning_rate must be > 0 and finite"),
+    (dict(compile="yes"), ValueError, 'compile must be True, False or "auto"'),
+])
+def test_chees_adaptation_refuses_bad_arguments_at_construction(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fnebm.adaptation.chees_adaptation(E.gaussian(torch.zeros(2, dtype=F64)), 10, **kwargs)

@@ -214,9 +214,20 @@ def chees_adaptation(
         v = _checks.check_real(name, value)
         if not (lo < v < hi or (name == "jitter_amount" and lo <= v <= hi)):
             raise ValueError(f"{name} must be in ({lo}, {hi}), got {v}")
-    for name, value in [("learning_rate", learning_rate), ("decay_rate", decay_rate)]:
-        if not _checks.check_real(name, value) > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+    for name, value in [("learning_rate", learning_rate), ("decay_rate", decay_rate),
+                        ("divergence_threshold", divergence_threshold)]:
+        v = _checks.check_real(name, value)
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{name} must be > 0 and finite, got {value}")
+    if isinstance(integrator, (str, bytes)) or not isinstance(integrator, (tuple, list)):
+        raise TypeError(f"integrator must be a tuple of coefficients (e.g. fnebm.integrators.velocity_verlet), "
+                        f"got {type(integrator).__name__}")
+    coefficients = tuple(_checks.check_real("integrator coefficient", c) for c in integrator)
+    if len(coefficients) % 2 == 0 or coefficients != coefficients[::-1]:
+        raise ValueError(f"integrator must be a palindrome of odd length (e.g. fnebm.integrators.velocity_verlet), "
+                         f"got {integrator}")
+    if compile not in (True, False, "auto") or not isinstance(compile, (bool, str)):
+        raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
     if initial_step_size is not None:
         initial_step_size = _checks.tunable("initial_step_size", initial_step_size)
         if initial_step_size.ndim:
