@@ -248,8 +248,34 @@ class Energy:
 # ------------------------------------------------------------------------ log-densities
 
 
+class ParameterFree:
+    """What an energy that is a bare function (no tensor leaves) says of itself: ``dtype``, ``device``
+    and ``dim`` are unknown (``None``), and ``to`` has nothing to convert (tensors the function closes
+    over stay put). Shared by log-density and batched-function energies."""
+
+    @property
+    def dtype(self) -> None:
+        return None
+
+    @property
+    def device(self) -> None:
+        return None
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """``self``: there are no parameters to convert."""
+        _check_dtype(dtype)
+        return self
+
+    @property
+    def dim(self) -> None:
+        return None
+
+    def check_dim(self, d: int) -> None:
+        _check_dim_arg(d)
+
+
 @dataclass(frozen=True, eq=False)
-class LogDensityEnergy:
+class LogDensityEnergy(ParameterFree):
     """``E(x) = -logdensity_fn(x)``: a log-density (BlackJAX's convention) as an energy.
 
     A pytree with no leaves (``logdensity_fn`` is its context). ``dtype``/``device``/``dim``
@@ -260,26 +286,6 @@ class LogDensityEnergy:
 
     def __call__(self, x: Tensor) -> Tensor:
         return -self.logdensity_fn(x)
-
-    @property
-    def dtype(self) -> None:
-        return None
-
-    @property
-    def device(self) -> None:
-        return None
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LogDensityEnergy:
-        """``self``: there are no parameters to convert (tensors the function closes over stay put)."""
-        _check_dtype(dtype)
-        return self
-
-    @property
-    def dim(self) -> None:
-        return None
-
-    def check_dim(self, d: int) -> None:
-        _check_dim_arg(d)
 
 
 pytree.register_pytree_node(

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fnebm import _checks
-from fnebm.energies.base import _check_dim_arg, _check_dtype
+from fnebm.energies.base import ParameterFree, _check_dim_arg, _check_dtype
 
 __all__ = ["from_module", "ModuleEnergy", "BoundEnergy", "bind", "BatchedEnergy", "batched", "batch_form",
            "check_batched"]
@@ -182,7 +182,7 @@ _BATCH_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, eq=False)
-class BatchedEnergy(_CheckedOnce):
+class BatchedEnergy(_CheckedOnce, ParameterFree):
     """``batched(fn)``: an energy from ``fn(xs: (n, *event)) -> (n,)``; ``e(x) = fn(x[None])[0]``, ``e.batch(xs) = fn(xs)``.
 
     A pytree with no leaves (``fn`` is its context), as :func:`~fnebm.energies.from_logdensity`'s
@@ -205,25 +205,6 @@ class BatchedEnergy(_CheckedOnce):
         self._check_once(lambda x1: _batch_out(self.fn(x1), 1, "the batched function"), xs, out)
         return out
 
-    @property
-    def dtype(self) -> None:
-        return None
-
-    @property
-    def device(self) -> None:
-        return None
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BatchedEnergy:
-        """``self``: there are no parameters to convert."""
-        _check_dtype(dtype)
-        return self
-
-    @property
-    def dim(self) -> None:
-        return None
-
-    def check_dim(self, d: int) -> None:
-        _check_dim_arg(d)
 
 
 pytree.register_pytree_node(
