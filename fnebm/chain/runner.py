@@ -164,7 +164,11 @@ class RunPlan(NamedTuple):
     eager_step_s: seconds per eager step for this kind and shapes, the fastest rate measured so far
     (``None`` before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
     the steps of this call; kernel: a hand-written Triton kernel runs the whole chain (see
-    ``backend=``), neither the compiled runner nor the eager loop; fallback: ``None``, or why the
+    ``backend=``), neither the compiled runner nor the eager loop; engine: which of those runs
+    (``"compiled"``, ``"eager"``, ``"c"``, ``"triton"``); skipped: each hand-written kernel
+    ``backend="auto"`` passed over, as :class:`fnebm.kernels.dispatch.Skipped` (engine, scope,
+    reason, and ``unavailable``: it covers the run but its library could not be used); transition:
+    ``"c"`` when each step's transition runs in a C kernel (NUTS), else ``""``; fallback: ``None``, or why the
     compile of this kind of step and shapes failed (the exception, on one line), so the steps run
     eagerly; revised: this plan replaces the one this call reported first — its compile failed
     during the call, and the steps from the chunk that was compiling on run eagerly.
@@ -179,6 +183,9 @@ class RunPlan(NamedTuple):
     kernel: bool = False  # a hand-written whole-chain kernel runs (sample_chain's backend=)
     fallback: str | None = None  # the compile failed (why, on one line): the steps run eagerly
     revised: bool = False  # a second report of the same call: its compile failed, the rest runs eagerly
+    engine: str = ""  # what runs the steps: "compiled", "eager", "c" or "triton" (sample_chain fills it in)
+    skipped: tuple = ()  # the fast paths backend="auto" passed over: fnebm.kernels.dispatch.Skipped values
+    transition: str = ""  # the engine of a transition kernel inside the steps ("c": NUTS's C kernel), or ""
 
 
 class _Ledger:

@@ -19,7 +19,7 @@ import fnebm
 from fnebm import diagnostics
 from fnebm import distributed as fdist
 from fnebm import random as fr
-from fnebm.chain.backend import UNAVAILABLE
+from fnebm.chain.sample import UNAVAILABLE
 from fnebm.cli._common import (Launch, UsageError, _destination, _device, _float_or_none, _fmt, _sync, agree,
                                available_memory, compile_cache_dir, compile_times, format_bytes,
                                record_compile_time, run_launched, write_outputs)

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,6 +83,7 @@ from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matr
 from fnebm.kernels import cpu_nuts
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
+    Step,
     KernelCache,
     SamplingAlgorithm,
     chain_axes,
@@ -397,9 +398,10 @@ def nuts(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     kernel = _kernel_for(coefficients, threshold)
-    step = functools.partial(_step, kernel, energy_fn=energy_fn, step_size=step_size,
-                             inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth,
-                             integrator=coefficients, divergence_threshold=threshold, backend=backend)
+    step = Step.of("nuts", _step, kernel, state_type=NUTSState, info_type=NUTSInfo,
+                   tunables=("step_size", "inverse_mass_matrix"), energy_fn=energy_fn, step_size=step_size,
+                   inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth,
+                   integrator=coefficients, divergence_threshold=threshold, backend=backend)
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 
@@ -425,6 +427,20 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
             raise ValueError(f'backend="c" cannot run this NUTS transition: {reason}. backend="auto" runs it with '
                              "the torch kernel instead")
     return kernel(state, key, energy_fn, step_size, inverse_mass_matrix, max_tree_depth)
+
+
+def _kernel_reason(step: Any, state: NUTSState, key: Tensor) -> str | None:
+    """``None`` when the C kernel runs a transition of ``step`` (a :func:`nuts` step) from ``state``, else
+    why not: :func:`_step`'s own check, which ``fnebm.kernels.dispatch`` asks on the chain's behalf."""
+    kw = step.keywords
+    x = state.position
+    imm = kw["inverse_mass_matrix"]
+    if imm is None:
+        imm = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return _why_not_c(state, key, kw["energy_fn"], kw["step_size"], imm, kw["integrator"])[0]
+
+
+_step.kernel_reason = _kernel_reason  # the step's transition kernel check, read by fnebm.kernels.dispatch
 
 
 def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
