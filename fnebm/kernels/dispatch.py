@@ -260,8 +260,6 @@ def choose(req: RunRequest, backend: str = "auto", compile: Any = "auto") -> Dec
         if backend not in ("auto", path.engine):
             continue
         if fields is None or fields.sampler not in path.samplers:
-            if backend == path.engine and path is _last_of(path.engine):
-                break  # reported below with the reason of the engine's last path
             continue
         if backend == "auto" and path.device != device:
             continue  # another device's engine: not a candidate (and triton is not imported)
@@ -276,20 +274,15 @@ def choose(req: RunRequest, backend: str = "auto", compile: Any = "auto") -> Dec
             raise ValueError(f'backend="{backend}" cannot run this chain: {reason}. backend="auto" runs it '
                              "with the torch engine instead (compiled or eager, as compile says)")
         skipped.append(Skipped(path.engine, path.scope, reason, bool(unavailable)))
-    if backend in ("triton", "c"):
-        paths = [p for p in FAST_PATHS if p.engine == backend]
-        reason = why_not(paths[0], req) if fields is None else (
-            f"the step is a {fields.sampler} step; the {backend} engine runs "
-            f"{', '.join(s for p in paths for s in p.samplers)}")
-        raise ValueError(f'backend="{backend}" cannot run this chain: {reason}. backend="auto" runs it with the '
-                         "torch engine instead (compiled or eager, as compile says)")
+    if backend in ("triton", "c"):  # no path of that engine runs this kind of step
+        what = "an opaque callable" if fields is None else f"a {fields.sampler} step"
+        names = [f"fnebm.{s}(...).step" for p in FAST_PATHS if p.engine == backend for s in p.samplers]
+        raise ValueError(f'backend="{backend}" cannot run this chain: the step is {what}, not '
+                         f'{", ".join(names[:-1])} or {names[-1]} (the {NAMES[backend]} kernels run those). '
+                         'backend="auto" runs it with the torch engine instead (compiled or eager, as compile says)')
     if backend == "torch":
         step = _with_backend(step, "torch")
     return Decision("torch", None, compile, step, tuple(skipped))
-
-
-def _last_of(engine: str) -> FastPath:
-    return [p for p in FAST_PATHS if p.engine == engine][-1]
 
 
 def _with_backend(step: Any, backend: str) -> Any:

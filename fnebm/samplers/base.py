@@ -68,7 +68,8 @@ class Step(functools.partial):
       noise scale, mass matrix); ``options``: its other, static arguments (integrator, backend);
     * ``replace(**changes)``: the same step with some arguments changed.
 
-    Make one with :meth:`of`. A step wrapped in anything else (``vmap_chains``, a user's own
+    Make one with :meth:`of` (inside a ``torch.compile`` region it gives a plain partial: there a
+    step is only called). A step wrapped in anything else (``vmap_chains``, a user's own
     partial or lambda) is opaque: dispatch then falls back to the torch path and says so.
     """
 
@@ -79,6 +80,10 @@ class Step(functools.partial):
            tunables: tuple[str, ...], **keywords: Any) -> "Step":
         """``kernel(state, key, *args, **keywords)`` as the step of ``sampler``; ``tunables`` names
         the keywords that are tensor tunables (the rest, other than ``energy_fn``, are options)."""
+        if torch.compiler.is_compiling():
+            # built inside a user's compiled function (Dynamo constructs partials, not subclasses):
+            # there the step is only called, never dispatched on
+            return functools.partial(kernel, *args, **keywords)
         step = cls(kernel, *args, **keywords)
         step.__dict__.update(sampler=sampler, state_type=state_type, info_type=info_type,
                              tunable_names=tuple(tunables))
