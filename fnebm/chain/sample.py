@@ -412,8 +412,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
                                     f"{dispatch.NAMES[decision.transition]} kernel")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
-        on_plan(plan if missed is None else plan._replace(
-            reason=f"{plan.reason}; the {dispatch.NAMES[missed.engine]} kernel {UNAVAILABLE} ({missed.reason})"))
+        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {_missed(missed, step)}"))
     run = cache.get(runner_key) if plan.compiled else _eager
     engine = TorchEngine(step, collect, chain, n, plan, run, ledger, expected, bufs, n_kept, thin,
                          record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back)
@@ -422,6 +421,16 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
 
 
 UNAVAILABLE = "covers this run but could not be used"  # in a plan's reason, with the library's reason
+
+
+def _missed(missed: dispatch.Skipped, step: Any) -> str:
+    """``"the C kernel covers this run but could not be used (why)"``; a transition kernel is named
+    with its sampler (``"the NUTS C kernel ..."``), whose own steps then ran."""
+    engine = dispatch.NAMES[missed.engine]
+    if missed.scope == "transition":
+        sampler = step_fields(step).sampler.upper()
+        return f"the {sampler} {engine} kernel {UNAVAILABLE} ({missed.reason}); the torch kernel ran"
+    return f"the {engine} kernel {UNAVAILABLE} ({missed.reason})"
 
 
 def _torch_chunk_size(engine: TorchEngine, show: bool, with_out: bool, total: int, n_kept: int) -> int:
