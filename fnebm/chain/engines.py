@@ -39,6 +39,9 @@ def _eager(step, collect, keys, state, ts):
     return loop(step, collect, keys, state, ts, unroll=True)
 
 
+# While a compile runs in the background, eager chunks last about this long (the switch waits for a chunk's end)
+_BACKGROUND_CHUNK_S = 0.5
+
 # With out=, a compiled call's own output stays under this size (glibc reuses freed blocks
 # below its adaptive mmap threshold, 32 MiB at most, instead of mapping fresh pages).
 _SCRATCH_BYTES = 8 * 2**20
@@ -74,21 +77,47 @@ class TorchEngine:
 
     def __init__(self, step, collect, chain, n_chain_axes: int, plan: RunPlan, run: Callable, ledger: Any,
                  expected: Any, bufs: list[Tensor] | None, n_kept: int, thin: int, record: bool,
-                 on_plan: Callable | None, fall_back: Callable):
+                 on_plan: Callable | None, fall_back: Callable, compiled: Callable | None = None,
+                 background_failed: Callable | None = None):
         self.step, self.collect, self.keys, self.start = step, collect, chain.keys, chain.steps_taken
         self.plan, self.run, self.ledger, self.record = plan, run, ledger, record
+        # while a compile runs in the background: the compiled runner once it is ready, and what
+        # to do should it fail
+        self.compiled, self.background_failed = compiled, background_failed
         self.expected, self.bufs, self.n_kept, self.thin = expected, bufs, n_kept, thin
         self.on_plan, self.fall_back = on_plan, fall_back
         self.state = _chains_last(chain.state) if n_chain_axes == 1 else chain.state
         self.device = chain.keys.device
 
     def first_size(self, chunk_size: int) -> int:
+        per = self.ledger.step_s()
+        if self.plan.background and per:
+            return max(2, min(chunk_size, int(_BACKGROUND_CHUNK_S / per)))
         return max(chunk_size, 2)
 
     def next_size(self, steps: int, seconds: float, chunk_size: int) -> int:
+        if self.plan.background and seconds > 0:
+            # eager chunks of about _BACKGROUND_CHUNK_S while the compile runs: it is looked for between chunks
+            return max(2, min(chunk_size, int(_BACKGROUND_CHUNK_S * steps / seconds)))
         return max(chunk_size, 2)
 
+    def _look_for_the_compile(self, a: int) -> None:
+        """Between chunks, while a compile runs in the background: switch to it once it is ready."""
+        if self.ledger.compiled:
+            self.plan = self.plan._replace(compiled=True, background=False, revised=True, engine="compiled",
+                                           reason=f"compiled from step {a} of this call on: the compile that ran "
+                                                  "in the background is ready")
+            self.run = self.compiled
+        elif self.ledger.failed is not None:
+            self.plan = self.background_failed(self.plan, self.ledger, a)
+        else:
+            return
+        if self.on_plan is not None:
+            self.on_plan(self.plan)
+
     def chunk(self, a: int, b: int, kept: Kept | None) -> None:
+        if self.plan.background and self.ledger.pending is None:
+            self._look_for_the_compile(a)
         t0 = time.perf_counter()
         ts = self.start + torch.arange(a, b, device=self.device)
         if self.plan.compiled and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)

@@ -222,7 +222,7 @@ def _outside_fnebm() -> int:
 
 def _fall_back(plan: RunPlan, ledger: Any, reason: str, start: int, on_plan: Callable | None) -> RunPlan:
     """A compile failed and the eager steps ran: remember it, say so once, and tell ``on_plan``."""
-    ledger.failed = reason
+    ledger.failed, ledger.failure_said = reason, True
     warnings.warn(f"fnebm: the compile of this run's step failed ({reason}); the steps from step {start} of this "
                   "call on ran eagerly instead, with the same keys and draws. Later calls with this kind of step "
                   "and shapes run eagerly without compiling again (RunnerCache.clear() forgets this).",
@@ -413,9 +413,19 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {_missed(missed, step)}"))
+    if ledger.failed is not None and not ledger.failure_said:  # a background compile failed since the last call
+        _fall_back(plan, ledger, ledger.failed, 0, None)
     run = cache.get(runner_key) if plan.compiled else _eager
     engine = TorchEngine(step, collect, chain, n, plan, run, ledger, expected, bufs, n_kept, thin,
-                         record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back)
+                         record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back,
+                         compiled=cache.get(runner_key) if plan.background else None,
+                         background_failed=lambda p, led, a: _fall_back(p, led, led.failed, a, None)._replace(
+                             background=False))
+    if plan.background and ledger.pending is None:
+        # two steps from the run's start, in the layout the compiled calls will see: only the graph is kept
+        ts = chain.steps_taken + torch.arange(2, device=chain.keys.device)
+        torch._dynamo.mark_dynamic(ts, 0)
+        cache.compile_in_background(runner_key, shapes, (step, collect, chain.keys, engine.state, ts))
     engine.per_step_bytes = sum(x.numel() * x.element_size() for x in pytree.tree_leaves(probed))
     return engine
 
