@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fnebm import random as fr
 from fnebm.chain.loop import loop
 from fnebm.chain.runner import RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
@@ -120,9 +121,10 @@ class TorchEngine:
             self._look_for_the_compile(a)
         t0 = time.perf_counter()
         ts = self.start + torch.arange(a, b, device=self.device)
-        if self.plan.compiled and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
-            torch._dynamo.mark_dynamic(ts, 0)
+        thinned = False  # the outputs hold only the kept steps (the eager runner keeps no others)
         if self.plan.compiled:
+            if b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
+                torch._dynamo.mark_dynamic(ts, 0)
             failed = None
             try:
                 ran = self.run(self.step, self.collect, self.keys, self.state, ts)
@@ -133,10 +135,10 @@ class TorchEngine:
             else:
                 # the same chunk from the same inputs (the compiled call is pure: nothing moved),
                 # eagerly; an error of the step itself is raised here, as eager code raises it
-                ran = _eager(self.step, self.collect, self.keys, self.state, ts)
+                ran, thinned = self._eager(ts, kept), True
                 self.plan, self.run = self.fall_back(self.plan, self.ledger, failed, a, self.on_plan), _eager
         else:
-            ran = self.run(self.step, self.collect, self.keys, self.state, ts)
+            ran, thinned = self._eager(ts, kept), True
         self.state, out, info = ran
         if not self.plan.compiled and self.record:
             sync(self.device)
@@ -144,7 +146,9 @@ class TorchEngine:
         if kept is None:
             return
         outs = pytree.tree_leaves((out, info))
-        if self.bufs is None and (kept.lo, kept.hi, kept.j0, kept.j1, self.thin) == (0, b - a, 0, self.n_kept, 1):
+        lo, hi, step = (0, kept.j1 - kept.j0, 1) if thinned else (kept.lo, kept.hi, self.thin)
+        if self.bufs is None and (kept.j0, kept.j1) == (0, self.n_kept) and (thinned or (
+                (kept.lo, kept.hi, self.thin) == (0, b - a, 1))):
             self.bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
             return
         if self.bufs is None:  # allocated once, filled chunk by chunk
@@ -152,7 +156,24 @@ class TorchEngine:
             self.bufs = [torch.empty(w.shape, dtype=w.dtype, device=self.device)
                          for w in pytree.tree_leaves(self.expected)]
         for buf, x in zip(self.bufs, outs):
-            buf[kept.j0 : kept.j1].copy_(x[kept.lo : kept.hi : self.thin])
+            buf[kept.j0 : kept.j1].copy_(x[lo:hi:step])
+
+    def _eager(self, ts: Tensor, kept: Kept | None) -> tuple[Any, Any, Any]:
+        """The chunk's steps eagerly, keeping only the kept ones: ``(state, kept, info)`` with
+        leaves ``(n, ...)`` for the ``n`` steps kept in this chunk (``None`` when none).
+
+        The same steps as the compiled runner's (same keys, same draws), without what a compiled
+        scan needs and eager code does not: no copy of the state at every step (nothing mutates
+        it), and no stack of every step's draws when a chunk keeps a few of them."""
+        state, outs = self.state, []
+        for i in range(ts.shape[0]):
+            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
+            if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
+        if not outs:
+            return state, None, None
+        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+        return state, out, info
 
     def finish(self) -> tuple[Any, Any, Any]:
         final = pytree.tree_map(lambda x: x.contiguous(), self.state)
