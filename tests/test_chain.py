@@ -347,7 +347,9 @@ def test_auto_compiles_in_the_background_while_eager_steps_go_on(mala_alg, mala_
     assert plans[0].background and not plans[0].compiled and plans[0].engine == "eager"
     assert cache.wait(timeout=300)  # the compile ran on its own thread, two steps, dropped
     frames = counter.frame_count
-    assert frames >= 1
+    # traced once: the step size, a 0-dim float64 tensor, once made Dynamo restart the analysis
+    # (a frame counted twice, the first one empty); runner._lift passes it as (1,)
+    assert frames == 1 and len(counter.graphs) == 1
     second = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)
     assert plans[-1].compiled and plans[-1].engine == "compiled" and not plans[-1].compiles
     assert counter.frame_count == frames  # the graph compiled in the background serves the call
