@@ -28,6 +28,12 @@ third word is a non-zero tag, while draws always have it zero.
 
 The 32x32 -> 64-bit products Philox needs are computed exactly in ``int64`` (no signed
 overflow), so the stream is bit-identical on every backend.
+
+Eager calls on CPU tensors run in compiled C where this machine can build it (once, cached):
+the same Philox words, so keys and uniform draws are bit for bit those of the traced path, and
+normal draws agree with it up to float rounding (log, sin and cos are computed by different
+code: a few ulp, measured in docs/performance.md). Compiled code, ``vmap``/``grad`` and other
+devices run the torch operations above.
 """
 
 from __future__ import annotations
@@ -149,6 +155,59 @@ def _philox_numpy(c0, c1, c2, c3, k0, k1, rounds: int):
         k1 = (k1 + kb) & m32
     # every word is a fresh array of the broadcast shape (rounds >= 1): wrap it without a copy
     return tuple(torch.from_numpy((np.asarray(w) if rounds else np.array(w)).view(np.int64)) for w in (c0, c1, c2, c3))
+
+
+# Eager CPU draws (normal, uniform, split, fold_in) run in compiled C when this machine can build it
+# (fnebm._random_cpu: Philox, the units, Box–Muller and the layout in one pass; built once per
+# machine, cached, loaded on the first eager draw): the same Philox words, so uniform draws and keys
+# are the NumPy path's bits and normal draws differ from the torch path's by float rounding only
+# (log, sin and cos are Cephes' float32 polynomials there, as in the C chain and NUTS kernels, whose
+# noise they then equal bit for bit; the largest difference measured is in docs/performance.md).
+# For 128 chains x 784 values about 15x faster than the NumPy path. Without a compiler, the NumPy path.
+_C_EAGER = True
+_c_lib = None  # None: not loaded yet; False: not available in this process
+
+
+def _c_library():
+    global _c_lib
+    if _c_lib is None:
+        lib = None
+        try:  # a private module beside this one (it builds with fnebm._cbuild, which imports only torch)
+            from fnebm import _random_cpu
+
+            lib = _random_cpu.load()
+        except Exception:  # pragma: no cover - the draws never fail over their fast path
+            lib = None
+        _c_lib = lib if lib is not None else False
+    return _c_lib or None
+
+
+def _c_eligible(tensors: tuple):
+    """The C library when these (CPU, plain, eager) tensors may take it, else ``None``."""
+    if not _C_EAGER or not _numpy_eligible(tensors):
+        return None
+    return _c_library()
+
+
+def _key_words(key: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    # (the words as (n_keys, 2), address of k0 of key 0, address of its k1, stride between keys in
+    # elements): no copy for contiguous or word-major keys (reshape copies only what it cannot view;
+    # the caller holds the tensor while C reads it)
+    kw = key.reshape(-1, 2)
+    return kw, kw.data_ptr(), kw.data_ptr() + 8 * kw.stride(1), kw.stride(0)
+
+
+def _draw_c(lib, name: str, key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``uniform``/``normal`` (by ``name``) of ``key`` in C: float64 in float64, every other dtype in float32
+    and then converted, as the torch path computes them."""
+    f64 = dtype == torch.float64
+    batch = tuple(key.shape[:-1])
+    out = torch.empty(batch + shape, dtype=torch.float64 if f64 else torch.float32)
+    if out.numel():
+        kw, k0, k1, ks = _key_words(key)
+        getattr(lib, f"fnebm_{name}_{'f64' if f64 else 'f32'}")(
+            math.prod(batch), k0, k1, ks, math.prod(shape), out.data_ptr(), torch.get_num_threads())
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 # Eager calls on a CUDA device run Philox as one Triton kernel: the torch path is about 150
@@ -316,6 +375,13 @@ def uniform(
     """Uniform draws on ``[minval, maxval)``: ``(*key.shape[:-1], *shape)`` of ``dtype``."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    lib = _c_eligible((key,))
+    if lib is not None:
+        check_key(key)
+        u = _draw_c(lib, "uniform", key, shape, dtype)
+        if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
+            return u
+        return minval + (maxval - minval) * u
     n_blocks = -(-math.prod(shape) // 4)
     words = _blocks(key, n_blocks)[: _lanes_used(shape, n_blocks)]
     if _numpy_eligible(words):
@@ -331,6 +397,10 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     """Standard normal draws: ``(*key.shape[:-1], *shape)`` of ``dtype`` (Box–Muller, as Triton)."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    lib = _c_eligible((key,))
+    if lib is not None:
+        check_key(key)
+        return _draw_c(lib, "normal", key, shape, dtype)
     n_blocks = -(-math.prod(shape) // 4)
     # Box–Muller in at least float32, as Triton computes it.
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -375,6 +445,15 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     # a SymInt (a traced chain count under dynamic shapes) is fine too
     if not isinstance(num, torch.SymInt):
         num = _checks.check_int("num", num, 1)
+        lib = _c_eligible((key,))
+        if lib is not None:
+            check_key(key)
+            batch = tuple(key.shape[:-1])
+            out = torch.empty((2, num) + batch, dtype=torch.int64)  # stored as the torch path stores it
+            if out.numel():
+                kw, k0, k1, ks = _key_words(key)
+                lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads())
+            return out.permute(*range(2, 2 + len(batch)), 1, 0)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
     # (2, num, *batch) in memory, (*batch, num, 2) to the caller: one word of one key index
@@ -402,6 +481,16 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         if not -(2**63) <= data < 2**63:
             raise ValueError(f"data must fit in int64, got {data}")
         data = torch.tensor(data, dtype=torch.int64, device=key.device)
+    lib = _c_eligible((key, data))
+    if lib is not None:
+        shape = torch.broadcast_shapes(key.shape[:-1], data.shape)
+        out = torch.empty((2,) + tuple(shape), dtype=torch.int64)  # word-major, as _word_major stores it
+        n = out.numel() // 2
+        if n:
+            kw, k0, k1, ks = _key_words(key.expand(tuple(shape) + (2,)))
+            d = data.expand(shape).reshape(-1)
+            lib.fnebm_fold_in(n, k0, k1, ks, d.data_ptr(), d.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out.movedim(0, -1)
     d_lo = data & _M32
     d_hi = (data >> 32) & _M32
     zero = torch.zeros_like(d_lo)
