@@ -361,7 +361,8 @@ def _units_numpy(words: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Ten
 def _planar_stacked(lanes: torch.Tensor, key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     # _planar of lanes stacked as (n_lanes, m, *batch): their rows in order are elements 0, 1, ...
     n, batch = math.prod(shape), key.shape[:-1]
-    out = lanes.reshape((-1,) + tuple(batch))[:n]
+    # (lanes, m) flattened; not reshape(-1, *batch), which fails for an empty batch of keys
+    out = lanes.flatten(0, lanes.ndim - len(batch) - 1)[:n]
     return _batch_last_to_first(out.reshape(shape + batch), len(batch))
 
 
