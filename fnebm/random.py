@@ -260,6 +260,42 @@ def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
     return outs
 
 
+# Eager normal and uniform draws on a CUDA device are one Triton launch each (Philox, the units,
+# Box–Muller in libdevice's log/cos/sin, the layout): on an H100 the block kernel plus the torch
+# operations that converted its words took 1.0-1.3 ms of launches per draw (bench/gpu_rng_probe.py).
+# The Philox words are the torch path's (tested under TRITON_INTERPRET=1); _TRITON_DRAWS = False
+# keeps the block kernel and the torch conversion.
+_TRITON_DRAWS = True
+_draw_kernel = None
+
+
+def _triton_draw(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, normal: bool):
+    """``normal``/``uniform`` of ``key`` as one Triton launch, or ``None`` where it does not apply."""
+    global _draw_kernel
+    if not _TRITON_DRAWS or not _triton_eligible((key,)):
+        return None
+    if _draw_kernel is None:
+        try:
+            from fnebm._philox_triton import draw_kernel
+        except ImportError:  # pragma: no cover - an older triton without libdevice
+            draw_kernel = False
+        _draw_kernel = draw_kernel
+    if _draw_kernel is False:
+        return None
+    check_key(key)
+    f64 = dtype == torch.float64
+    batch = tuple(key.shape[:-1])
+    out = torch.empty(batch + shape, dtype=torch.float64 if f64 else torch.float32, device=key.device)
+    n, n_keys = math.prod(shape), math.prod(batch)
+    if out.numel():
+        kw = key.reshape(-1, 2)
+        m = -(-n // 4)
+        block = 256
+        _draw_kernel[(-(-(n_keys * m) // block),)](kw, kw.stride(0), kw.stride(1), out, n_keys, n, m, NORMAL=normal,
+                                                   F64=f64, BLOCK=block)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
     """Philox4x32 (Random123) on int64 tensors holding 32-bit words; broadcasts its inputs.
 
@@ -380,6 +416,9 @@ def uniform(
     if lib is not None:
         check_key(key)
         u = _draw_c(lib, "uniform", key, shape, dtype)
+    else:
+        u = _triton_draw(key, shape, dtype, normal=False)
+    if u is not None:
         if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
             return u
         return minval + (maxval - minval) * u
@@ -402,6 +441,9 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     if lib is not None:
         check_key(key)
         return _draw_c(lib, "normal", key, shape, dtype)
+    z = _triton_draw(key, shape, dtype, normal=True)
+    if z is not None:
+        return z
     n_blocks = -(-math.prod(shape) // 4)
     # Box–Muller in at least float32, as Triton computes it.
     work = torch.float64 if dtype == torch.float64 else torch.float32
