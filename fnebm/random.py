@@ -38,6 +38,7 @@ devices run the torch operations above.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import operator
 from collections.abc import Sequence
@@ -199,14 +200,16 @@ def _key_words(key: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 def _draw_c(lib, name: str, key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``uniform``/``normal`` (by ``name``) of ``key`` in C: float64 in float64, every other dtype in float32
-    and then converted, as the torch path computes them."""
+    and then converted, as the torch path computes them. The caller checked the key's dtype and shape;
+    the C code checks its words' range (a pass over the keys instead of five torch operations)."""
     f64 = dtype == torch.float64
     batch = tuple(key.shape[:-1])
     out = torch.empty(batch + shape, dtype=torch.float64 if f64 else torch.float32)
     if out.numel():
         kw, k0, k1, ks = _key_words(key)
-        getattr(lib, f"fnebm_{name}_{'f64' if f64 else 'f32'}")(
-            math.prod(batch), k0, k1, ks, math.prod(shape), out.data_ptr(), torch.get_num_threads())
+        if getattr(lib, f"fnebm_{name}_{'f64' if f64 else 'f32'}")(
+                math.prod(batch), k0, k1, ks, math.prod(shape), out.data_ptr(), torch.get_num_threads()):
+            check_key(key)  # a word outside [0, 2**32): raises
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -414,7 +417,7 @@ def uniform(
     shape = _as_shape(shape)
     lib = _c_eligible((key,))
     if lib is not None:
-        check_key(key)
+        _checks.check_key(key)  # the words' range: in C
         u = _draw_c(lib, "uniform", key, shape, dtype)
     else:
         u = _triton_draw(key, shape, dtype, normal=False)
@@ -439,7 +442,7 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     shape = _as_shape(shape)
     lib = _c_eligible((key,))
     if lib is not None:
-        check_key(key)
+        _checks.check_key(key)  # the words' range: in C
         return _draw_c(lib, "normal", key, shape, dtype)
     z = _triton_draw(key, shape, dtype, normal=True)
     if z is not None:
@@ -490,12 +493,13 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
         num = _checks.check_int("num", num, 1)
         lib = _c_eligible((key,))
         if lib is not None:
-            check_key(key)
+            _checks.check_key(key)  # the words' range: in C
             batch = tuple(key.shape[:-1])
             out = torch.empty((2, num) + batch, dtype=torch.int64)  # stored as the torch path stores it
             if out.numel():
                 kw, k0, k1, ks = _key_words(key)
-                lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads())
+                if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
+                    check_key(key)  # raises
             return out.permute(*range(2, 2 + len(batch)), 1, 0)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
@@ -514,7 +518,7 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     ``data`` is an int or an integer tensor (read as 64-bit); it broadcasts against the key's
     batch dimensions. Distinct data give independent keys.
     """
-    check_key(key)
+    _checks.check_key(key)  # the words' range below (in C on the eager CPU path)
     if isinstance(data, torch.Tensor):
         if data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
             raise TypeError(f"data must be an integer or integer tensor, got dtype {data.dtype}")
@@ -523,17 +527,26 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         data = _checks.check_int("data", data)
         if not -(2**63) <= data < 2**63:
             raise ValueError(f"data must fit in int64, got {data}")
-        data = torch.tensor(data, dtype=torch.int64, device=key.device)
-    lib = _c_eligible((key, data))
+    lib = _c_eligible((key, data) if isinstance(data, torch.Tensor) else (key,))
     if lib is not None:
-        shape = torch.broadcast_shapes(key.shape[:-1], data.shape)
+        if isinstance(data, torch.Tensor):
+            batch = key.shape[:-1]
+            shape = batch if data.shape == batch else torch.broadcast_shapes(batch, data.shape)
+            d = data.expand(shape).reshape(-1)
+            d_ptr, d_stride = d.data_ptr(), d.stride(0)
+        else:  # an int (a step index): read in place, no tensor made for it
+            shape, d = key.shape[:-1], ctypes.c_int64(data)
+            d_ptr, d_stride = ctypes.addressof(d), 0
         out = torch.empty((2,) + tuple(shape), dtype=torch.int64)  # word-major, as _word_major stores it
         n = out.numel() // 2
         if n:
-            kw, k0, k1, ks = _key_words(key.expand(tuple(shape) + (2,)))
-            d = data.expand(shape).reshape(-1)
-            lib.fnebm_fold_in(n, k0, k1, ks, d.data_ptr(), d.stride(0), out.data_ptr(), torch.get_num_threads())
+            kw, k0, k1, ks = _key_words(key if key.shape[:-1] == shape else key.expand(tuple(shape) + (2,)))
+            if lib.fnebm_fold_in(n, k0, k1, ks, d_ptr, d_stride, out.data_ptr(), torch.get_num_threads()):
+                check_key(key)  # raises
         return out.movedim(0, -1)
+    if not isinstance(data, torch.Tensor):
+        data = torch.tensor(data, dtype=torch.int64, device=key.device)
+    check_key(key)
     d_lo = data & _M32
     d_hi = (data >> 32) & _M32
     zero = torch.zeros_like(d_lo)

@@ -149,12 +149,13 @@ def test_traced_calls_take_the_torch_path(monkeypatch):
 
 
 def test_threads_give_the_same_draws(monkeypatch):
-    # above half a million values the blocks are shared among OpenMP threads: the same bits
+    # from four million values the blocks are shared among OpenMP threads: the same bits
     key = fr.key(2**40 + 1)
-    one = fr.normal(key, (600_001,))
+    n = 4 * 2**20 + 3
+    one = fr.normal(key, (n,))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert torch.equal(fr.normal(key, (600_001,)), one)
-    assert torch.equal(fr.uniform(key, (600_001,), torch.float64), _paths(lambda: fr.uniform(key, (600_001,), torch.float64), "numpy"))
+    assert torch.equal(fr.normal(key, (n,)), one)
+    assert torch.equal(fr.uniform(key, (n,)), _paths(lambda: fr.uniform(key, (n,)), "numpy"))
 
 
 def test_calls_from_many_threads_agree():
@@ -240,3 +241,14 @@ def test_import_does_not_load_the_library():
     code = "import sys, fnebm; print('fnebm._random_cpu' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-1000:]
+
+
+@pytest.mark.parametrize("bad", [[0, 2**32], [-1, 0], [5, 2**40]])
+def test_words_out_of_range_raise_on_every_c_entry(bad):
+    # the C code checks the words' range (instead of five torch operations): the same error
+    keys = torch.tensor([[1, 2], bad, [3, 4]], dtype=torch.int64)
+    for call in (lambda: fr.normal(keys, (3,)), lambda: fr.normal(keys, (3,), torch.float64),
+                 lambda: fr.uniform(keys, (40,)), lambda: fr.uniform(keys, (), torch.float64),
+                 lambda: fr.split(keys, 3), lambda: fr.fold_in(keys, 2), lambda: fr.fold_in(keys[1], torch.arange(3))):
+        with pytest.raises(ValueError, match="outside"):
+            call()
