@@ -190,6 +190,20 @@ def _c_eligible(tensors: tuple):
     return _c_library()
 
 
+def _broadcast_shapes(*shapes) -> tuple[int, ...]:
+    # torch.broadcast_shapes imports torch.fx's symbolic shapes and sympy on its first call (0.4 s
+    # in a fresh process, measured in the first call of sample_chain): plain tuples need none of it
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        for i, d in enumerate(s, ndim - len(s)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+                out[i] = d
+    return tuple(out)
+
+
 def _key_words(key: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     # (the words as (n_keys, 2), address of k0 of key 0, address of its k1, stride between keys in
     # elements): no copy for contiguous or word-major keys (reshape copies only what it cannot view;
@@ -247,7 +261,7 @@ def _triton_kernel():
 
 def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
     words = (c0, c1, c2, c3, k0, k1)
-    shape = torch.broadcast_shapes(*(w.shape for w in words))
+    shape = _broadcast_shapes(*(w.shape for w in words))
     if len(shape) > _TRITON_MAX_NDIM or rounds < 1:
         return None
     full = (1,) * (_TRITON_MAX_NDIM - len(shape)) + tuple(shape)
@@ -531,7 +545,7 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     if lib is not None:
         if isinstance(data, torch.Tensor):
             batch = key.shape[:-1]
-            shape = batch if data.shape == batch else torch.broadcast_shapes(batch, data.shape)
+            shape = batch if data.shape == batch else _broadcast_shapes(batch, data.shape)
             d = data.expand(shape).reshape(-1)
             d_ptr, d_stride = d.data_ptr(), d.stride(0)
         else:  # an int (a step index): read in place, no tensor made for it

@@ -252,3 +252,17 @@ def test_words_out_of_range_raise_on_every_c_entry(bad):
                  lambda: fr.split(keys, 3), lambda: fr.fold_in(keys, 2), lambda: fr.fold_in(keys[1], torch.arange(3))):
         with pytest.raises(ValueError, match="outside"):
             call()
+
+
+def test_shapes_that_do_not_broadcast_raise():
+    with pytest.raises(RuntimeError, match="broadcast"):
+        fr.fold_in(fr.split(fr.key(0), 3), torch.arange(4))
+
+
+def test_a_first_eager_draw_imports_nothing_heavy():
+    # torch.broadcast_shapes would import torch.fx's symbolic shapes and sympy (0.4 s) on first use
+    code = ("import sys, torch, fnebm; from fnebm import random as fr; ks = fr.split(fr.key(0), 8); "
+            "fr.normal(fr.fold_in(ks, torch.tensor(3)), (5,)); fr.uniform(fr.fold_in(ks, 2), ()); "
+            "print('sympy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-1000:]
