@@ -31,7 +31,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_fold_in.restype = c_int
 
 
-LIBRARY = CLibrary("cpu_random", [(_SOURCE, ())], [_SOURCE, _HEADER], _setup)
+# one source compiled twice (the float32 draws; the float64 draws and the keys), in parallel
+LIBRARY = CLibrary("cpu_random", [(_SOURCE, ("-DFNEBM_RANDOM_PART=0",)), (_SOURCE, ("-DFNEBM_RANDOM_PART=1",))],
+                   [_SOURCE, _HEADER], _setup)
 
 
 def load() -> ctypes.CDLL | None:

@@ -9,6 +9,10 @@
  * Loaded by fnebm/_random_cpu.py; built by fnebm/_cbuild.py. */
 #include "_cpu_common.h"
 
+#ifndef FNEBM_RANDOM_PART
+#define FNEBM_RANDOM_PART 0
+#endif
+
 /* parallel (OpenMP) only from this many Philox blocks (four million values): below it the threads'
  * start and their wait afterwards (they share torch's OpenMP runtime) cost more than they save. On
  * the 2-core test host under load, a million normals took 2.3 ms on one thread and 5.7 ms on two;
@@ -18,7 +22,7 @@
 /* Whether a key word lies outside [0, 2**32) (fnebm.random.check_key's value check, done here in
  * one pass instead of five torch operations): the entry points then return 1 and compute nothing,
  * and the caller raises the usual error. */
-static int bad_keys(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks) {
+static inline int bad_keys(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks) {
     uint64_t high = 0;
 #pragma omp simd reduction(| : high)
     for (int64_t j = 0; j < n_keys; j++)
@@ -150,15 +154,15 @@ static inline __attribute__((always_inline)) void block_f64(const int mode, uint
         }                                                                                                     \
     }
 
+/* lanes 2 and 3 are read when some element lies at or past 2 m (n > 2 m) */
+static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL_TWO_PAIRS : NORMAL_ONE_PAIR; }
+
+/* Two objects, compiled at once (FNEBM_RANDOM_PART 0: the float32 draws, about two thirds of the
+ * build; 1: the float64 draws and the keys) */
+#if FNEBM_RANDOM_PART == 0
 DEFINE_DRAW(float, f32, block_f32, UNIFORM)
 DEFINE_DRAW(float, f32, block_f32, NORMAL_ONE_PAIR)
 DEFINE_DRAW(float, f32, block_f32, NORMAL_TWO_PAIRS)
-DEFINE_DRAW(double, f64, block_f64, UNIFORM)
-DEFINE_DRAW(double, f64, block_f64, NORMAL_ONE_PAIR)
-DEFINE_DRAW(double, f64, block_f64, NORMAL_TWO_PAIRS)
-
-/* lanes 2 and 3 are read when some element lies at or past 2 m (n > 2 m) */
-static int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL_TWO_PAIRS : NORMAL_ONE_PAIR; }
 
 int fnebm_uniform_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, float *out,
                       int threads) {
@@ -168,13 +172,6 @@ int fnebm_uniform_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int6
     return 0;
 }
 
-int fnebm_uniform_f64(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, double *out,
-                      int threads) {
-    if (bad_keys(n_keys, k0, k1, ks))
-        return 1;
-    draw_f64_UNIFORM(n_keys, k0, k1, ks, n, out, threads);
-    return 0;
-}
 
 int fnebm_normal_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, float *out,
                      int threads) {
@@ -184,6 +181,20 @@ int fnebm_normal_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64
         draw_f32_NORMAL_TWO_PAIRS(n_keys, k0, k1, ks, n, out, threads);
     else
         draw_f32_NORMAL_ONE_PAIR(n_keys, k0, k1, ks, n, out, threads);
+    return 0;
+}
+
+
+#else
+DEFINE_DRAW(double, f64, block_f64, UNIFORM)
+DEFINE_DRAW(double, f64, block_f64, NORMAL_ONE_PAIR)
+DEFINE_DRAW(double, f64, block_f64, NORMAL_TWO_PAIRS)
+
+int fnebm_uniform_f64(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, double *out,
+                      int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    draw_f64_UNIFORM(n_keys, k0, k1, ks, n, out, threads);
     return 0;
 }
 
@@ -242,3 +253,4 @@ int fnebm_fold_in(int64_t n, const int64_t *k0, const int64_t *k1, int64_t ks, c
     }
     return 0;
 }
+#endif
