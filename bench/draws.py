@@ -115,8 +115,22 @@ def main() -> None:
         if theirs:
             line += f"   torch {med[2]:8.4f} ms   C/torch {entry['c_over_torch']:.2f}   NumPy/torch {entry['numpy_over_torch']:.2f}"
         print(line, flush=True)
+    # how far the C normals are from the torch path's (the traced path's ops): relative to eps
+    keys = fr.split(fr.key(11), 4096)
+    ulps = {}
+    for dtype in (torch.float32, torch.float64):
+        a = c_path(lambda: fr.normal(keys, (784,), dtype)).double()
+        saved = fr._NUMPY_EAGER
+        fr._NUMPY_EAGER = False
+        try:
+            b = fr.normal(keys, (784,), dtype).double()
+        finally:
+            fr._NUMPY_EAGER = saved
+        rel = (a - b).abs() / (torch.maximum(a.abs(), b.abs()).clamp_min(1e-300) * torch.finfo(dtype).eps)
+        ulps[str(dtype)] = dict(max_eps=rel.max().item(), identical=(a == b).double().mean().item())
+    print("C normal vs torch path, 4096 x 784:", ulps)
     out = dict(host=_host(), loadavg_before=load_before, loadavg_after=_loadavg(), rounds=args.rounds,
-               inner=args.inner, results=results)
+               inner=args.inner, results=results, normal_vs_torch_path=ulps)
     if args.json and os.path.exists(args.json):  # one file, a run per thread count
         with open(args.json) as f:
             runs = json.load(f)
