@@ -64,6 +64,7 @@ def test_eager_philox_kernel_gives_the_torch_paths_bits(monkeypatch, case):
     ks = fr.split(k, 5)
     monkeypatch.setattr(fr, "_NUMPY_EAGER", False)
     monkeypatch.setattr(fr, "_TRITON_EAGER_DEVICES", ())
+    monkeypatch.setattr(fr, "_TRITON_DRAWS", False)  # the block kernel (the one-launch draws: test_random_triton.py)
     want = _PHILOX_CASES[case](k, ks)
     launches = []
     real = fr._philox_triton
