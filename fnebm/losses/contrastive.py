@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.loop import run
+from fnebm._loop import run
 from fnebm.losses import _common
 from fnebm.samplers.base import step_fields
 from fnebm.samplers.langevin import langevin
