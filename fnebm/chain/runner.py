@@ -359,6 +359,7 @@ class RunnerCache:
         run = self.get(key)
 
         def work():
+            _responsive(+1)
             try:
                 run(*args)
             except Exception as exc:  # noqa: BLE001 - any failure of the compile: the steps stay eager
@@ -367,6 +368,7 @@ class RunnerCache:
                 ledger.compiled = True
             finally:
                 ledger.pending = None
+                _responsive(-1)
 
         ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
         ledger.pending.start()
@@ -443,6 +445,28 @@ class RunnerCache:
 
 
 default_cache = RunnerCache(background=True)
+
+
+# While a compile runs in the background, the thread that runs the eager steps waits for the GIL
+# after every torch op that released it, up to the interpreter's switch interval (5 ms by default)
+# while Dynamo's tracing, pure Python, holds it: a step of ~30 ops then waited ~150 ms (an MLP
+# chain's eager call went from 2.8 s to 20 s). A short interval while it runs keeps that wait small.
+_SWITCH_INTERVAL_S = 1e-4
+_switch = {"count": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+def _responsive(change: int) -> None:
+    import sys
+
+    with _switch_lock:
+        if change > 0 and _switch["count"] == 0:
+            _switch["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["saved"], _SWITCH_INTERVAL_S))
+        _switch["count"] += change
+        if change < 0 and _switch["count"] == 0 and _switch["saved"] is not None:
+            sys.setswitchinterval(_switch["saved"])
+            _switch["saved"] = None
 
 
 class CompileNotice(UserWarning):
