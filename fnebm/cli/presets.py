@@ -46,7 +46,7 @@ class EnergySpec(NamedTuple):
     multimodal: chains may sit in separate modes and never cross; ``mixing`` says what R-hat
         means then (docs/cli.md, the summary's note).
     ramp: the burn-in starts at smaller steps (walls so steep that a full step from a start in
-        N(0, I)'s tails overshoots: see ``fnebm.cli.sample._ramp``).
+        N(0, I)'s tails overshoots: see ``fnebm.cli.run._ramp``).
     truth: ``truth(energy, dim) -> Truth`` where the moments are known exactly.
     param_bytes: memory the energy's parameters take at ``dim`` (for the estimate before a run).
     """
