@@ -26,7 +26,7 @@ def backend(cfg: Any) -> str:
 
 def ran_kernel(plan: Any) -> bool:
     """Whether a call's chains ran in a hand-written kernel (C or Triton) rather than torch steps."""
-    # dispatch: a kernel's plan says so in an attribute RunPlan does not declare
+    # dispatch: RunPlan.kernel says that a kernel ran, not which one (path() parses the reason for that)
     return bool(getattr(plan, "kernel", False))
 
 
