@@ -180,18 +180,17 @@ def _import_plotting() -> None:
 
 
 class _PlottingImport:
-    """Imports matplotlib (0.6 s on a 2-core AMD EPYC) on a thread while the run does other work,
+    """Imports matplotlib (most of a second on a 2-core CPU) on a thread while the run does other work,
     where a plot is asked for (rank 0); ``plot`` then finds it imported, or waits on Python's
     import lock.
 
     When: once the last ``sample_chain`` call has planned, if its chains run compiled (or in a
     Triton kernel: either leaves the GIL free); otherwise once the sampling is done, beside the
     summary's diagnostics (torch ops, which release the GIL). Never before the last plan:
-    ``compile="auto"`` times eager steps to decide, and beside the importing thread a step of
-    the demo looked 56-86 ms instead of 3.5 ms, so the demo compiled for 37 s instead of sampling
-    eagerly for 2 s. Nor beside eager steps: they hold the GIL, and the demo's 2.06 s of eager
-    sampling took 2.89 s with the import beside it. Nor with ``--profile``, which times steps after
-    the summary.
+    ``compile="auto"`` times eager steps to decide, and beside the importing thread the demo's
+    steps looked more than 15 times slower, so it compiled instead of sampling eagerly. Nor beside
+    eager steps: they hold the GIL. Nor with ``--profile``, which times steps after the summary.
+    The figures: docs/cli.md, ``fnebm demo``.
     """
 
     def __init__(self, cfg: Config):
