@@ -24,8 +24,9 @@ from fnebm.cli.plotting import plot
 from fnebm.cli.report import format_summary
 from fnebm.cli.run import _chunk_size
 from fnebm.cli.sample import _sample
-from fnebm.cli.train import (TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options, _train, mlp_energy,
-                             mlp_init)
+from fnebm.cli.train import _train
+from fnebm.cli.train_model import mlp_energy, mlp_init
+from fnebm.cli.train_options import TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options
 
 
 def build_parser() -> argparse.ArgumentParser:

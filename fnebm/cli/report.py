@@ -13,7 +13,7 @@ import torch
 
 from fnebm import distributed as fdist
 from fnebm.cli import dispatch
-from fnebm.cli._common import _fmt, compile_cache_dir, compile_times
+from fnebm.cli._common import _fmt, compile_cache_dir, compile_times, format_rows
 from fnebm.cli.options import Config, _local_chains
 from fnebm.cli.presets import ENERGIES
 from fnebm.cli.stats import MIXING_MIN_CHAINS, RHAT_OK
@@ -236,7 +236,7 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                                                           "for the next run)"),
         ("sampling", f"{s['sampling_s']:.2f} s" + (_setup_words(s) if s.get("setup_s") else "")),
     ]
-    lines = [f"{k:<12} {v}" for k, v in rows]
+    lines = format_rows(rows)
     truth = s.get("truth")
     if truth is not None:
         lines.append(f"{'truth':<12} {truth['about']}: estimate ± MCSE from the kept draws")
