@@ -24,6 +24,14 @@ def backend(cfg: Any) -> str:
     return "compiled" if cfg.compile is True else "auto"
 
 
+def sampler_backend(sampler: str, compiled: bool) -> dict[str, Any]:
+    """The sampler's own ``backend`` argument: with ``--compile`` (``compiled``), NUTS's torch kernel
+    rather than its C kernel (the flag asks for torch.compile's code, as it does of ``sample_chain``,
+    whose ``backend="compiled"`` would still run NUTS's C transition)."""
+    # dispatch: NUTS dispatches inside its step (samplers/nuts.py), apart from sample_chain's backend
+    return {"backend": "torch"} if sampler == "nuts" and compiled else {}
+
+
 def ran_kernel(plan: Any) -> bool:
     """Whether a call's chains ran in a hand-written kernel (C or Triton) rather than torch steps."""
     # dispatch: RunPlan.kernel says that a kernel ran, not which one (path() parses the reason for that)

@@ -55,6 +55,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     how = p.add_mutually_exclusive_group()
+    # dispatch: --compile's help names the families the whole-chain kernels cover (printed by --help)
     how.add_argument("--compile", dest="compile", action="store_const", const=True, default="auto",
                      help="always compile the steps with torch.compile (default: a hand-written whole-chain "
                           "kernel where one covers the run, e.g. Langevin or MALA on double_well, harmonic, rastrigin or "
