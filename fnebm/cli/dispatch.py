@@ -4,8 +4,9 @@ whether the run will build a C kernel first.
 
 The command decides nothing about engines itself: every rule here restates one of the library's
 (``fnebm/chain/backend.py``, ``fnebm/samplers/nuts.py``) or reads its reason strings, and each
-such place is marked ``# dispatch:``. Nothing else in :mod:`fnebm.cli` asks the dispatch anything,
-so a structured plan replaces the bodies here and no caller.
+such place is marked ``# dispatch:``. Nothing else in :mod:`fnebm.cli` asks the dispatch anything
+(two more markers, in ``options.py``'s ``--compile`` help and a comment in ``presets.py``, name
+the families the kernels cover), so a structured plan replaces the bodies here and no caller.
 """
 
 from __future__ import annotations
