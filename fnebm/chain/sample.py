@@ -412,7 +412,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
                                     f"{dispatch.NAMES[decision.transition]} kernel")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
-        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {_missed(missed, step)}"))
+        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
     if ledger.failed is not None and not ledger.failure_said:  # a background compile failed since the last call
         _fall_back(plan, ledger, ledger.failed, 0, None)
     run = cache.get(runner_key) if plan.compiled else _eager
@@ -430,17 +430,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
     return engine
 
 
-UNAVAILABLE = "covers this run but could not be used"  # in a plan's reason, with the library's reason
-
-
-def _missed(missed: dispatch.Skipped, step: Any) -> str:
-    """``"the C kernel covers this run but could not be used (why)"``; a transition kernel is named
-    with its sampler (``"the NUTS C kernel ..."``), whose own steps then ran."""
-    engine = dispatch.NAMES[missed.engine]
-    if missed.scope == "transition":
-        sampler = step_fields(step).sampler.upper()
-        return f"the {sampler} {engine} kernel {UNAVAILABLE} ({missed.reason}); the torch kernel ran"
-    return f"the {engine} kernel {UNAVAILABLE} ({missed.reason})"
+UNAVAILABLE = dispatch.UNAVAILABLE  # in a plan's reason, with the library's reason
 
 
 def _torch_chunk_size(engine: TorchEngine, show: bool, with_out: bool, total: int, n_kept: int) -> int:

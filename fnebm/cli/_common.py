@@ -108,6 +108,11 @@ def _fmt(x: float | None, spec: str = ".3g", missing: str = "n/a (needs >= 4 kep
 
 
 
+def format_rows(rows: list[tuple[str, str]]) -> list[str]:
+    """A summary's ``(name, value)`` rows as aligned lines, as every command prints them."""
+    return [f"{k:<12} {v}" for k, v in rows]
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

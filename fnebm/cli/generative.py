@@ -108,7 +108,8 @@ def evaluate(cfg: Any, params: dict[str, Tensor]) -> dict[str, Any]:
     """:func:`fnebm.cli.train.evaluate`'s figures for a field: ``mmd2`` (no density: ``kl`` is None)
     and what the plot draws (the field on a FIELD_GRID x FIELD_GRID grid)."""
     from fnebm import datasets
-    from fnebm.cli.train import EVAL_POINTS, SAMPLE_CHAINS, _box, mmd2
+    from fnebm.cli.train_options import EVAL_POINTS, SAMPLE_CHAINS
+    from fnebm.cli.train_report import _box, mmd2
 
     device = torch.device(cfg.device)
     k_eval = fr.split(fr.key(cfg.seed, device=device), 4)[3]
@@ -137,7 +138,7 @@ def plot(f: BinaryIO, cfg: Any, ev: dict[str, Any], summary: dict[str, Any]) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from fnebm.cli.train import SAMPLE_CHAINS
+    from fnebm.cli.train_options import SAMPLE_CHAINS
 
     fig = Figure(figsize=(15, 5), layout="constrained")
     FigureCanvasAgg(fig)

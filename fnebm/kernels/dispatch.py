@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["BACKENDS", "FAST_PATHS", "FastPath", "Decision", "Skipped", "RunRequest", "check_backend", "why_not",
+__all__ = ["BACKENDS", "BackendUnavailable", "UNAVAILABLE", "FAST_PATHS", "FastPath", "Decision", "Skipped", "RunRequest", "check_backend", "why_not",
            "choose", "info_buffers"]
 
 BACKENDS = ("auto", "triton", "c", "torch")
@@ -93,6 +93,20 @@ class Skipped(NamedTuple):
     scope: str
     reason: str
     unavailable: bool = False
+    sampler: str = ""
+
+    def describe(self) -> str:
+        """One phrase: ``"the C kernel covers this run but could not be used (why)"`` for an
+        unavailable kernel (a transition kernel named with its sampler: ``"the NUTS C kernel ..."``,
+        whose own steps then ran), else ``"the C kernel: why not"``."""
+        name = f"{self.sampler.upper()} {NAMES[self.engine]}" if self.scope == "transition" else NAMES[self.engine]
+        if not self.unavailable:
+            return f"the {name} kernel: {self.reason}"
+        ran = "; the torch kernel ran" if self.scope == "transition" else ""
+        return f"the {name} kernel {UNAVAILABLE} ({self.reason}){ran}"
+
+
+UNAVAILABLE = "covers this run but could not be used"
 
 
 class Decision(NamedTuple):
@@ -129,6 +143,16 @@ class RunRequest(NamedTuple):
     steps_taken: Tensor
     collect: str | None
     grad: bool
+
+
+class BackendUnavailable(ValueError):
+    """A forced ``backend`` (``"c"``, ``"triton"``) cannot run this chain or transition: ``reason``
+    is the first reason (one line). ``backend="auto"`` would run the torch engine instead."""
+
+    def __init__(self, backend: str, reason: str, what: str = "this chain",
+                 instead: str = "the torch engine instead (compiled or eager, as compile says)"):
+        self.backend, self.reason = backend, reason
+        super().__init__(f'backend="{backend}" cannot run {what}: {reason}. backend="auto" runs it with {instead}')
 
 
 def check_backend(backend: Any) -> str:
@@ -271,15 +295,13 @@ def choose(req: RunRequest, backend: str = "auto", compile: Any = "auto") -> Dec
             return Decision(path.engine, path, False, step, tuple(skipped))
         unavailable = _unavailable(path, reason)
         if backend == path.engine:
-            raise ValueError(f'backend="{backend}" cannot run this chain: {reason}. backend="auto" runs it '
-                             "with the torch engine instead (compiled or eager, as compile says)")
-        skipped.append(Skipped(path.engine, path.scope, reason, bool(unavailable)))
+            raise BackendUnavailable(backend, reason)
+        skipped.append(Skipped(path.engine, path.scope, reason, bool(unavailable), fields.sampler))
     if backend in ("triton", "c"):  # no path of that engine runs this kind of step
         what = "an opaque callable" if fields is None else f"a {fields.sampler} step"
         names = [f"fnebm.{s}(...).step" for p in FAST_PATHS if p.engine == backend for s in p.samplers]
-        raise ValueError(f'backend="{backend}" cannot run this chain: the step is {what}, not '
-                         f'{", ".join(names[:-1])} or {names[-1]} (the {NAMES[backend]} kernels run those). '
-                         'backend="auto" runs it with the torch engine instead (compiled or eager, as compile says)')
+        raise BackendUnavailable(backend, f"the step is {what}, not {', '.join(names[:-1])} or {names[-1]} "
+                                          f"(the {NAMES[backend]} kernels run those)")
     if backend == "torch":
         step = _with_backend(step, "torch")
     return Decision("torch", None, compile, step, tuple(skipped))

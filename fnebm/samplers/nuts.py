@@ -32,6 +32,7 @@ from fnebm import random as fr
 from fnebm.gradients import value_and_grad
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean, resolve
 from fnebm.kernels import cpu_nuts
+from fnebm.kernels.dispatch import BackendUnavailable
 from fnebm.integrators.symplectic import IntegratorState, velocity_verlet
 from fnebm.samplers.base import (
     Step,
@@ -207,8 +208,7 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
                                      divergence_threshold=divergence_threshold)
             return NUTSState(*out[:3]), NUTSInfo(*out[3:])
         if backend == "c":
-            raise ValueError(f'backend="c" cannot run this NUTS transition: {reason}. backend="auto" runs it with '
-                             "the torch kernel instead")
+            raise BackendUnavailable("c", reason, "this NUTS transition", "the torch kernel instead")
     return kernel(state, key, energy_fn, step_size, inverse_mass_matrix, max_tree_depth)
 
 
