@@ -174,11 +174,9 @@ def test_no_module_imports_a_layer_it_does_not_depend_on():
     assert not bad, "imports against the layers (DESIGN.md's table, LAYERS here):\n" + "\n".join(bad)
 
 
-# Known cycles, through function-level imports, that issue 24 removes: the modules of each. Remove
-# the entry with the cycle; an entry that no longer matches fails below.
-KNOWN_CYCLES = {
-    frozenset({"fnebm.cli.generative", "fnebm.cli.train"}),  # generative reads train's constants (item 6)
-}
+# Known cycles, through function-level imports: the modules of each (none left; an entry that no
+# longer matches fails below).
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _cycles(edges: list[Import]) -> list[list[str]]:

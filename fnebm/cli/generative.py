@@ -109,7 +109,7 @@ def evaluate(cfg: Any, params: dict[str, Tensor]) -> dict[str, Any]:
     and what the plot draws (the field on a FIELD_GRID x FIELD_GRID grid)."""
     from fnebm import datasets
     from fnebm.cli.train_options import EVAL_POINTS, SAMPLE_CHAINS
-    from fnebm.cli.train_report import _box, mmd2
+    from fnebm.cli._common import _box, mmd2
 
     device = torch.device(cfg.device)
     k_eval = fr.split(fr.key(cfg.seed, device=device), 4)[3]

@@ -10,16 +10,10 @@ from torch import Tensor
 
 from fnebm import energies as E
 from fnebm import random as fr
-from fnebm.cli._common import format_rows
+from fnebm.cli._common import _box, format_rows, mmd2  # noqa: F401 (mmd2: also read from here)
 from fnebm.cli.presets import DTYPES
 from fnebm.cli.train_model import mlp_energy, model_samples
 from fnebm.cli.train_options import EVAL_POINTS, GRID, KDE_CELLS, LR_FLOOR, SAMPLE_CHAINS, TETHER, TrainConfig
-
-
-def _box(data: Tensor) -> tuple[Tensor, Tensor]:
-    lo, hi = data.min(0).values, data.max(0).values
-    pad = 0.05 * (hi - lo) + 0.25
-    return lo - pad, hi + pad
 
 
 def _grid(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -54,21 +48,6 @@ def _kl(p: Tensor, log_q: Tensor) -> float:
     """``KL(p || q) = Σ p (log p - log q)`` over the cells where ``p > 0`` (nats)."""
     mask = p > 0
     return float((p[mask] * (p[mask].log() - log_q[mask])).sum())
-
-
-def mmd2(x: Tensor, y: Tensor, scales: tuple[float, ...] = (0.1, 0.3, 1.0)) -> float:
-    """Unbiased squared MMD between samples ``x`` and ``y`` with a sum of Gaussian kernels of the given widths."""
-    x, y = x.double(), y.double()
-
-    def k(a: Tensor, b: Tensor) -> Tensor:
-        d2 = torch.cdist(a, b).square()
-        return sum(torch.exp(-0.5 * d2 / s**2) for s in scales)
-
-    n, m = x.shape[0], y.shape[0]
-    kxx, kyy = k(x, x), k(y, y)
-    sxx = (kxx.sum() - kxx.diagonal().sum()) / (n * (n - 1))
-    syy = (kyy.sum() - kyy.diagonal().sum()) / (m * (m - 1))
-    return float(sxx + syy - 2 * k(x, y).mean())
 
 
 def evaluate(cfg: TrainConfig, params: dict[str, Tensor]) -> dict[str, Any] | None:
