@@ -9,12 +9,12 @@ divergence check (MALA: the split key, the accept/reject uniform and the proposa
 and the kept draws written straight into the trace. OpenMP spreads the blocks over
 ``torch.get_num_threads()`` threads.
 
-It computes what :func:`~fnebm.kernels.langevin_chain.langevin_chain_torch` and
-:func:`~fnebm.kernels.langevin_chain.mala_chain_torch` (the twins) define, to float tolerance:
-the Philox words are bit-identical, while ``log``, ``exp``, ``sin`` and ``cos`` are
-Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or Sleef's, so
-the normals differ in the last bits and a chain's positions drift apart by rounding over many
-steps, as the compiled and eager paths do.
+It computes what ``fnebm.langevin(energy, h, s).step`` and ``fnebm.mala(energy, h).step`` do
+from the same keys (tests/test_cpu_chain.py runs both), to float tolerance: the Philox words
+are bit-identical, while ``log``, ``exp``, ``sin`` and ``cos`` are Cephes' single-precision
+polynomials (about 1 ulp) where the samplers use ATen's or Sleef's, so the normals differ in the
+last bits and a chain's positions drift apart by rounding over many steps, as the compiled and
+eager paths do.
 
 **Built on first use** with the system C compiler (``$CC``, else ``cc``; build times in docs/performance.md) for this
 machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
@@ -211,7 +211,7 @@ def _(x, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, fa
 
 
 def _run_op(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
-    # the twins' checks (the module imports triton where it is installed, so not at import time here)
+    # the Triton launchers' checks (the module imports triton where it is installed, so not at import time here)
     from fnebm.kernels.langevin_chain import _check
 
     reason = covers(energy_fn)
@@ -235,9 +235,9 @@ def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, ke
     """Unadjusted Langevin, the whole run in one call of the C kernel (the op ``torch.ops.fnebm.cpu_chain``).
 
     Same arguments, meaning and result (a :class:`~fnebm.kernels.LangevinChain`) as
-    :func:`~fnebm.kernels.langevin_chain_torch`, for float32 CPU tensors and an energy :func:`covers`
-    says the C kernel computes; agrees with the twin to float tolerance. Metadata checks only: it
-    traces under ``torch.compile(fullgraph=True)``. Not differentiable.
+    :func:`fnebm.kernels.langevin_chain`, for float32 CPU tensors and an energy :func:`covers`
+    says the C kernel computes; agrees with ``fnebm.langevin``'s steps to float tolerance.
+    Metadata checks only: it traces under ``torch.compile(fullgraph=True)``. Not differentiable.
     """
     from fnebm.kernels.langevin_chain import LangevinChain
 
@@ -247,7 +247,7 @@ def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, ke
 
 def mala_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
                step_size: Tensor | float, *, n_steps: int, burn_in: int = 0, thin: int = 1):
-    """MALA, the whole run in one call of the C kernel; as :func:`~fnebm.kernels.mala_chain_torch`
+    """MALA, the whole run in one call of the C kernel; as :func:`fnebm.kernels.mala_chain`
     (a :class:`~fnebm.kernels.MALAChain`), for what :func:`langevin_chain` covers."""
     from fnebm.kernels.langevin_chain import MALAChain
 
