@@ -5,16 +5,12 @@ test on the instance where one type holds two families), the integer the kernels
 C kernels' ``enum`` in ``_cpu_common.h``, the Triton kernel's ``ENERGY`` constexpr), how its
 parameters are packed into the kernels' two arrays, and which engines compute it:
 
-==================  ==  ========================================  ===========================
-family              id  energy                                    engines
-==================  ==  ========================================  ===========================
-``double_well``     0   :class:`~fnebm.energies.DoubleWell`       C chain, C NUTS, Triton
-``harmonic``        1   :class:`~fnebm.energies.Harmonic`         C chain, C NUTS, Triton
-``gaussian``        2   diagonal :class:`~fnebm.energies.Gaussian`  C chain, C NUTS, Triton
-``rastrigin``       3   :class:`~fnebm.energies.Rastrigin`        C chain, C NUTS, Triton
-``gaussian_full``   4   :class:`~fnebm.energies.Gaussian` with a   C chain, C NUTS
-                        full precision factor
-==================  ==  ========================================  ===========================
+* ``double_well`` (0): :class:`~fnebm.energies.DoubleWell` — C chain, C NUTS, Triton;
+* ``harmonic`` (1): :class:`~fnebm.energies.Harmonic` — C chain, C NUTS, Triton;
+* ``gaussian`` (2): a diagonal :class:`~fnebm.energies.Gaussian` — C chain, C NUTS, Triton;
+* ``rastrigin`` (3): :class:`~fnebm.energies.Rastrigin` — C chain, C NUTS, Triton;
+* ``gaussian_full`` (4): a :class:`~fnebm.energies.Gaussian` with a full precision factor — C
+  chain, C NUTS.
 
 Engines: ``"c_chain"`` (:mod:`fnebm.kernels.cpu_chain`, whole Langevin/MALA chains in C),
 ``"c_nuts"`` (:mod:`fnebm.kernels.cpu_nuts`, one NUTS transition in C) and ``"triton"``
@@ -24,8 +20,8 @@ table; ``tests/test_kernel_families.py`` checks the ids against the C and Triton
 **Adding a separable family** (one whose energy is a sum of per-element terms with an
 elementwise gradient) to every engine: a :class:`Family` here; its line in ``FNEBM_SEPARABLE``
 in ``_cpu_common.h`` (id, the element's term and gradient, the total: the C chain and NUTS
-kernels switch on that list); its branches in ``_terms`` and ``_energy`` of the Triton kernel
-(its id is a constexpr made from this table). See docs/kernels.md.
+kernels switch on that list); in the Triton kernel, its constexpr (made from this table) and
+its branches in ``_terms`` and ``_energy``. Five sites in three files (docs/kernels.md).
 
 The packing: ``scalars`` ``(2,)`` holds a scalar family's parameters (the C and Triton code
 read ``scalars[0]`` as ``pa`` and ``scalars[1]`` as ``pb``), ``vectors`` the per-element ones
@@ -43,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
+from fnebm.energies import analytic
 
 __all__ = ["Family", "FAMILIES", "ENGINES", "C_CHAIN", "C_NUTS", "TRITON", "find", "covers", "pack", "ids"]
 
@@ -83,22 +79,24 @@ def _scalar(*params: Tensor) -> tuple[Tensor, Tensor]:
     return p, p
 
 
-def _gaussian_diagonal(energy: Gaussian, d: int) -> tuple[Tensor, Tensor]:
+def _gaussian_diagonal(energy: analytic.Gaussian, d: int) -> tuple[Tensor, Tensor]:
     vectors = torch.stack([energy.mean, energy.precision, energy.precision_tril]).reshape(3, d)
     return vectors.new_zeros(2), vectors
 
 
-def _gaussian_full(energy: Gaussian, d: int) -> tuple[Tensor, Tensor]:  # mean, then L row-major
+def _gaussian_full(energy: analytic.Gaussian, d: int) -> tuple[Tensor, Tensor]:  # mean, then L row-major
     vectors = torch.cat([energy.mean.reshape(d), energy.precision_tril.reshape(d * d)])
     return vectors.new_zeros(2), vectors
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family(0, "double_well", DoubleWell, lambda e, d: _scalar(e.barrier_height, e.b), _ALL, "a double well"),
-    Family(1, "harmonic", Harmonic, lambda e, d: _scalar(e.k), _ALL, "a harmonic energy"),
-    Family(2, "gaussian", Gaussian, _gaussian_diagonal, _ALL, "a diagonal Gaussian", lambda e: e.is_diagonal),
-    Family(3, "rastrigin", Rastrigin, lambda e, d: _scalar(e.a), _ALL, "a Rastrigin energy"),
-    Family(4, "gaussian_full", Gaussian, _gaussian_full, _C, "a Gaussian with a full precision matrix",
+    Family(0, "double_well", analytic.DoubleWell, lambda e, d: _scalar(e.barrier_height, e.b), _ALL,
+           "a double well"),
+    Family(1, "harmonic", analytic.Harmonic, lambda e, d: _scalar(e.k), _ALL, "a harmonic energy"),
+    Family(2, "gaussian", analytic.Gaussian, _gaussian_diagonal, _ALL, "a diagonal Gaussian",
+           lambda e: e.is_diagonal),
+    Family(3, "rastrigin", analytic.Rastrigin, lambda e, d: _scalar(e.a), _ALL, "a Rastrigin energy"),
+    Family(4, "gaussian_full", analytic.Gaussian, _gaussian_full, _C, "a Gaussian with a full precision matrix",
            lambda e: not e.is_diagonal),
 )
 
