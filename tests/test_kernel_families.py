@@ -1,7 +1,9 @@
 """fnebm.kernels.families, the one table of analytic families, against the C and Triton sources
-that switch on its ids, and the kernels' covers() that read it. Parsing only: no kernel runs."""
+that switch on its ids, and the kernels' covers() that read it (parsing: no kernel runs); and a new
+family added at the five sites it takes, run on every engine (one test, two C builds)."""
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -101,8 +103,6 @@ def test_every_family_has_an_example_and_the_table_is_consistent():
 
 def test_covers_reads_the_table(monkeypatch):
     examples = _examples()
-    import importlib
-
     lc = importlib.import_module("fnebm.kernels.langevin_chain")
     checks = {families.C_CHAIN: cpu_chain.covers, families.TRITON: lc.covers,
               families.C_NUTS: lambda e: cpu_nuts.why_not(e, *_nuts_args())}
@@ -137,3 +137,109 @@ def test_packing_is_what_the_kernels_read(name):
     else:  # mean, then the factor row-major
         assert torch.equal(vectors, torch.cat([energy.mean, energy.precision_tril.reshape(-1)]))
     assert family_id == families.find(energy).id and scalars.is_contiguous() and vectors.is_contiguous()
+
+
+# --------------------------------------------------------------- a new family, on every engine
+
+# What adding a separable family to every fast path takes (issue 24): E = c sum x^4. The energy
+# itself goes into fnebm.energies (not a fast-path site); then five sites in three files.
+_QUARTIC_ENERGY = ("energies/analytic.py", "\n# ----------------------------------------------------------------------------- Rastrigin\n", '''
+
+@dataclass(frozen=True, eq=False)
+class Quartic(Energy):
+    c: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.c * (x * x * x * x).sum(-1)
+
+    def grad(self, x: Tensor) -> Tensor:
+        return 4 * self.c * x * x * x
+
+# ----------------------------------------------------------------------------- Rastrigin
+''')
+_QUARTIC_SITES = [
+    ("kernels/families.py", '''           lambda e: not e.is_diagonal),
+)''', '''           lambda e: not e.is_diagonal),
+    Family(5, "quartic", analytic.Quartic, lambda e, d: _scalar(e.c), _ALL, "a quartic energy"),
+)'''),
+    ("kernels/_cpu_common.h", '''    }, pa * (float)d + acc)
+''', '''    }, pa * (float)d + acc)                                                                                 \\
+    X(QUARTIC, 5, {                                                                                         \\
+        float p2 = p * p;                                                                                   \\
+        *q = p2 * p2;                                                                                       \\
+        *n = 4.0f * va * p2 * p;                                                                            \\
+    }, pa * acc)
+'''),
+    ("kernels/langevin_chain.py", '''    _RASTRIGIN: tl.constexpr = tl.constexpr(_IDS["RASTRIGIN"])
+''', '''    _RASTRIGIN: tl.constexpr = tl.constexpr(_IDS["RASTRIGIN"])
+    _QUARTIC: tl.constexpr = tl.constexpr(_IDS["QUARTIC"])
+'''),
+    ("kernels/langevin_chain.py", '''            g = 2.0 * x + _TWO_PI * pa * tl.sin(w)
+''', '''            g = 2.0 * x + _TWO_PI * pa * tl.sin(w)
+        elif ENERGY == _QUARTIC:
+            x2 = x * x
+            e = x2 * x2
+            g = 4.0 * pa * x2 * x
+'''),
+    ("kernels/langevin_chain.py", '''            out = tl.load(s_ptr) * d + total
+''', '''            out = tl.load(s_ptr) * d + total
+        elif ENERGY == _QUARTIC:
+            out = tl.load(s_ptr) * total
+'''),
+]
+
+_QUARTIC_RUN = '''
+import torch, fnebm
+from fnebm import random as fr
+from fnebm.chain import backend as be
+from fnebm.energies.analytic import Quartic
+from fnebm.kernels import cpu_chain, families
+
+be._INTERPRETER_ON_CPU = True  # the Triton kernel on CPU tensors, under the interpreter
+energy = Quartic(torch.tensor(0.5))
+assert families.find(energy).name == "quartic" and cpu_chain.covers(energy) is None, cpu_chain.covers(energy)
+for make in (fnebm.langevin, fnebm.mala):
+    alg = make(energy, 0.05)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(1), (6, 5)))
+    want = fnebm.sample_chain(alg.step, state, fr.key(2), 6, burn_in=2, thin=2, backend="eager", progress=False)
+    for backend in ("c", "triton"):
+        got = fnebm.sample_chain(alg.step, state, fr.key(2), 6, burn_in=2, thin=2, backend=backend, progress=False)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+keys = fr.split(fr.key(3), 6)
+runs = []
+for backend in ("c", "torch"):
+    alg = fnebm.nuts(energy, 0.2, backend=backend)
+    runs.append(fnebm.chain.run(alg.step, torch.func.vmap(alg.init)(fr.normal(fr.key(1), (6, 5))), keys, 4))
+torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+assert torch.equal(runs[0][2].num_integration_steps, runs[1][2].num_integration_steps)
+print("quartic ok")
+'''
+
+
+@pytest.mark.skipif(cpu_chain.available() is not None, reason="no C compiler builds the kernels here")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_a_new_family_is_five_sites_in_three_files(tmp_path):
+    """Adds E = c sum x^4 to a copy of the package at the five sites docs/kernels.md lists, builds
+    both C kernels from the copy and runs Langevin and MALA in C and in Triton (interpreter) and
+    NUTS in C against the samplers' own eager steps. ~15 s (two C builds)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import fnebm
+
+    copy = tmp_path / "src" / "fnebm"
+    shutil.copytree(Path(fnebm.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert len(_QUARTIC_SITES) == 5 and len({path for path, _, _ in _QUARTIC_SITES}) == 3
+    for path, old, new in [_QUARTIC_ENERGY, *_QUARTIC_SITES]:
+        text = (copy / path).read_text()
+        assert text.count(old) == 1, f"{path}: the site moved ({old[:40]!r})"
+        (copy / path).write_text(text.replace(old, new))
+    env = dict(os.environ, PYTHONPATH=str(copy.parent), FNEBM_CACHE_DIR=str(tmp_path / "cache"),
+               TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _QUARTIC_RUN], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "quartic ok", done.stderr[-3000:]
