@@ -504,7 +504,7 @@ def _min_ess_bulk(trace) -> float:
 
 # ----------------------------------------------------------------------------- W4: CD training
 #
-# The model is `fnebm train`'s (fnebm.cli.train.mlp_energy): an MLP 2-128-128-1 with SiLU, no
+# The model is `fnebm train`'s (fnebm.cli.train_model.mlp_energy): an MLP 2-128-128-1 with SiLU, no
 # output bias, plus 0.01 |x|^2 / 2; both sides start from the same weights (mlp_init(key(0))),
 # train on the same batches and take the same number of sampler and optimiser steps.
 
@@ -514,7 +514,7 @@ W4_ADAM = (0.9, 0.999, 1e-8)  # torch.optim.Adam's defaults
 
 def w4_params() -> dict[str, torch.Tensor]:
     """The initial weights, as fnebm train draws them (PyTorch's nn.Linear init, from key(0))."""
-    from fnebm.cli.train import mlp_init
+    from fnebm.cli.train_model import mlp_init
 
     return mlp_init(fr.key(0), W4_HIDDEN, torch.float32)
 
@@ -576,7 +576,7 @@ def w4_fnebm_step(k: int, compiled: bool = True) -> Callable:
 
 
 def fnebm_cd(batch, k, steps, compiled=True):
-    from fnebm.cli.train import mlp_energy
+    from fnebm.cli.train_model import mlp_energy
 
     energy0 = energies.bind(mlp_energy, w4_params())
     batches = w4_batches(batch, steps)
@@ -603,7 +603,7 @@ def w4_torchebm_model(params: dict[str, torch.Tensor]):
         from torchebm.core import BaseModel
     except ImportError as e:
         raise Missing(f"torchebm ({e.name})") from None
-    from fnebm.cli.train import TETHER
+    from fnebm.cli.train_options import TETHER
 
     class MLPEnergy(BaseModel):
         def __init__(self):

@@ -33,7 +33,7 @@ the cache the first left).
 ``--steps`` steps on the same batches (fnebm's data; each library its own noise and times),
 then sampled by the same sampler from the same noise (flow: 100 Euler steps of the ODE from
 N(0, I); EqM: 200 steps of fnebm.eqm's Nesterov descent, step 0.03, momentum 0.35, from
-N(0, I)) and scored: squared MMD to 2,000 data points (fnebm.cli.train.mmd2) and the eight
+N(0, I)) and scored: squared MMD to 2,000 data points (fnebm.cli.train_report.mmd2) and the eight
 modes' weights (the fraction of samples nearest each centre; ``off_mode``: farther than three
 standard deviations from all).
 """
@@ -242,7 +242,7 @@ def sample(objective: str, net: torch.nn.Module, n: int = 2000, seed: int = 99) 
 
 
 def score(x: torch.Tensor, data: torch.Tensor) -> dict:
-    from fnebm.cli.train import mmd2
+    from fnebm.cli.train_report import mmd2
 
     x = x.double()
     ok = torch.isfinite(x).all(1)

@@ -46,7 +46,9 @@ import run as w4  # noqa: E402  (bench/run.py: W4's model, data, steps)
 
 from fnebm import datasets, energies  # noqa: E402
 from fnebm import random as fr  # noqa: E402
-from fnebm.cli.train import TRAIN_DEFAULTS, TrainConfig, evaluate, mlp_energy, mmd2  # noqa: E402
+from fnebm.cli.train_model import mlp_energy  # noqa: E402
+from fnebm.cli.train_options import TRAIN_DEFAULTS, TrainConfig  # noqa: E402
+from fnebm.cli.train_report import evaluate, mmd2  # noqa: E402
 
 CENTRES = torch.tensor([[4.0 * math.cos(i * math.pi / 4), 4.0 * math.sin(i * math.pi / 4)] for i in range(8)],
                        dtype=torch.float64) / 1.414

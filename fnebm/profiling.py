@@ -458,8 +458,8 @@ def profile_sampling(
             :func:`fnebm.sample_chain`; each timed run is that call (``progress`` off).
         compile_backend: the ``torch.compile`` backend of the run and of the pieces (the run
             compiles in a :class:`~fnebm.chain.RunnerCache` of its own, so the compile is always
-            timed). The run is ``sample_chain``'s torch path (``backend="compiled"`` or
-            ``"eager"``), never its whole-chain Triton kernel, which has no parts to time.
+            timed). The run is ``sample_chain``'s torch engine (``backend="torch"``, compiled or
+            eager), never a hand-written kernel, which has no parts to time.
         repeats: warm runs of the step and of each piece, interleaved; medians are reported.
         energy_fn: the energy the step evaluates; found by itself in fnebm's samplers (their
             ``energy_fn``) and in closures over a variable ``energy_fn`` or ``energy``.
@@ -522,7 +522,7 @@ def profile_sampling(
 
     def run():
         return sample_chain(step, state, key, n_steps, burn_in=burn_in, thin=thin, collect=collect,
-                            chunk_size=chunk_size, compile=compile, backend="compiled" if compile else "eager",
+                            chunk_size=chunk_size, compile=compile, backend="torch",
                             progress=False, chain_ndim=chain_ndim, cache=runners)
 
     result = []

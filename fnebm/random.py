@@ -28,10 +28,17 @@ third word is a non-zero tag, while draws always have it zero.
 
 The 32x32 -> 64-bit products Philox needs are computed exactly in ``int64`` (no signed
 overflow), so the stream is bit-identical on every backend.
+
+Eager calls on CPU tensors run in compiled C where this machine can build it (once, cached):
+the same Philox words, so keys and uniform draws are bit for bit those of the traced path, and
+normal draws agree with it up to float rounding (log, sin and cos are computed by different
+code: a few ulp, measured in docs/performance.md). Compiled code, ``vmap``/``grad`` and other
+devices run the torch operations above.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import operator
 from collections.abc import Sequence
@@ -151,6 +158,75 @@ def _philox_numpy(c0, c1, c2, c3, k0, k1, rounds: int):
     return tuple(torch.from_numpy((np.asarray(w) if rounds else np.array(w)).view(np.int64)) for w in (c0, c1, c2, c3))
 
 
+# Eager CPU draws (normal, uniform, split, fold_in) run in compiled C when this machine can build it
+# (fnebm._random_cpu: Philox, the units, Box–Muller and the layout in one pass; built once per
+# machine, cached, loaded on the first eager draw): the same Philox words, so uniform draws and keys
+# are the NumPy path's bits and normal draws differ from the torch path's by float rounding only
+# (log, sin and cos are Cephes' float32 polynomials there, as in the C chain and NUTS kernels, whose
+# noise they then equal bit for bit; the largest difference measured is in docs/performance.md).
+# For 128 chains x 784 values about 15x faster than the NumPy path. Without a compiler, the NumPy path.
+_C_EAGER = True
+_c_lib = None  # None: not loaded yet; False: not available in this process
+
+
+def _c_library():
+    global _c_lib
+    if _c_lib is None:
+        lib = None
+        try:  # a private module beside this one (it builds with fnebm._cbuild, which imports only torch)
+            from fnebm import _random_cpu
+
+            lib = _random_cpu.load()
+        except Exception:  # pragma: no cover - the draws never fail over their fast path
+            lib = None
+        _c_lib = lib if lib is not None else False
+    return _c_lib or None
+
+
+def _c_eligible(tensors: tuple):
+    """The C library when these (CPU, plain, eager) tensors may take it, else ``None``."""
+    if not _C_EAGER or not _numpy_eligible(tensors):
+        return None
+    return _c_library()
+
+
+def _broadcast_shapes(*shapes) -> tuple[int, ...]:
+    # torch.broadcast_shapes imports torch.fx's symbolic shapes and sympy on its first call (0.4 s
+    # in a fresh process, measured in the first call of sample_chain): plain tuples need none of it
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        for i, d in enumerate(s, ndim - len(s)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+                out[i] = d
+    return tuple(out)
+
+
+def _key_words(key: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    # (the words as (n_keys, 2), address of k0 of key 0, address of its k1, stride between keys in
+    # elements): no copy for contiguous or word-major keys (reshape copies only what it cannot view;
+    # the caller holds the tensor while C reads it)
+    kw = key.reshape(-1, 2)
+    return kw, kw.data_ptr(), kw.data_ptr() + 8 * kw.stride(1), kw.stride(0)
+
+
+def _draw_c(lib, name: str, key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``uniform``/``normal`` (by ``name``) of ``key`` in C: float64 in float64, every other dtype in float32
+    and then converted, as the torch path computes them. The caller checked the key's dtype and shape;
+    the C code checks its words' range (a pass over the keys instead of five torch operations)."""
+    f64 = dtype == torch.float64
+    batch = tuple(key.shape[:-1])
+    out = torch.empty(batch + shape, dtype=torch.float64 if f64 else torch.float32)
+    if out.numel():
+        kw, k0, k1, ks = _key_words(key)
+        if getattr(lib, f"fnebm_{name}_{'f64' if f64 else 'f32'}")(
+                math.prod(batch), k0, k1, ks, math.prod(shape), out.data_ptr(), torch.get_num_threads()):
+            check_key(key)  # a word outside [0, 2**32): raises
+    return out if out.dtype == dtype else out.to(dtype)
+
+
 # Eager calls on a CUDA device run Philox as one Triton kernel: the torch path is about 150
 # small kernels, each a launch of 5-10 us of host time (1.5-4 ms for the keys of a sample_chain
 # call, which on a GPU took longer than the whole-chain kernel itself). Same bits (tested
@@ -185,7 +261,7 @@ def _triton_kernel():
 
 def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
     words = (c0, c1, c2, c3, k0, k1)
-    shape = torch.broadcast_shapes(*(w.shape for w in words))
+    shape = _broadcast_shapes(*(w.shape for w in words))
     if len(shape) > _TRITON_MAX_NDIM or rounds < 1:
         return None
     full = (1,) * (_TRITON_MAX_NDIM - len(shape)) + tuple(shape)
@@ -199,6 +275,42 @@ def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
     block = 512
     _philox_kernel[(-(-n // block),)](*views, *outs, n, full[1], full[2], full[3], *strides, ROUNDS=rounds, BLOCK=block)
     return outs
+
+
+# Eager normal and uniform draws on a CUDA device are one Triton launch each (Philox, the units,
+# Box–Muller in libdevice's log/cos/sin, the layout): on an H100 the block kernel plus the torch
+# operations that converted its words took 1.0-1.3 ms of launches per draw (bench/gpu_rng_probe.py).
+# The Philox words are the torch path's (tested under TRITON_INTERPRET=1); _TRITON_DRAWS = False
+# keeps the block kernel and the torch conversion.
+_TRITON_DRAWS = True
+_draw_kernel = None
+
+
+def _triton_draw(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, normal: bool):
+    """``normal``/``uniform`` of ``key`` as one Triton launch, or ``None`` where it does not apply."""
+    global _draw_kernel
+    if not _TRITON_DRAWS or not _triton_eligible((key,)):
+        return None
+    if _draw_kernel is None:
+        try:
+            from fnebm._philox_triton import draw_kernel
+        except ImportError:  # pragma: no cover - an older triton without libdevice
+            draw_kernel = False
+        _draw_kernel = draw_kernel
+    if _draw_kernel is False:
+        return None
+    check_key(key)
+    f64 = dtype == torch.float64
+    batch = tuple(key.shape[:-1])
+    out = torch.empty(batch + shape, dtype=torch.float64 if f64 else torch.float32, device=key.device)
+    n, n_keys = math.prod(shape), math.prod(batch)
+    if out.numel():
+        kw = key.reshape(-1, 2)
+        m = -(-n // 4)
+        block = 256
+        _draw_kernel[(-(-(n_keys * m) // block),)](kw, kw.stride(0), kw.stride(1), out, n_keys, n, m, NORMAL=normal,
+                                                   F64=f64, BLOCK=block)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = _ROUNDS):
@@ -302,7 +414,8 @@ def _units_numpy(words: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Ten
 def _planar_stacked(lanes: torch.Tensor, key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     # _planar of lanes stacked as (n_lanes, m, *batch): their rows in order are elements 0, 1, ...
     n, batch = math.prod(shape), key.shape[:-1]
-    out = lanes.reshape((-1,) + tuple(batch))[:n]
+    # (lanes, m) flattened; not reshape(-1, *batch), which fails for an empty batch of keys
+    out = lanes.flatten(0, lanes.ndim - len(batch) - 1)[:n]
     return _batch_last_to_first(out.reshape(shape + batch), len(batch))
 
 
@@ -316,6 +429,16 @@ def uniform(
     """Uniform draws on ``[minval, maxval)``: ``(*key.shape[:-1], *shape)`` of ``dtype``."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    lib = _c_eligible((key,))
+    if lib is not None:
+        _checks.check_key(key)  # the words' range: in C
+        u = _draw_c(lib, "uniform", key, shape, dtype)
+    else:
+        u = _triton_draw(key, shape, dtype, normal=False)
+    if u is not None:
+        if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0.0, 1.0):
+            return u
+        return minval + (maxval - minval) * u
     n_blocks = -(-math.prod(shape) // 4)
     words = _blocks(key, n_blocks)[: _lanes_used(shape, n_blocks)]
     if _numpy_eligible(words):
@@ -331,6 +454,13 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     """Standard normal draws: ``(*key.shape[:-1], *shape)`` of ``dtype`` (Box–Muller, as Triton)."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    lib = _c_eligible((key,))
+    if lib is not None:
+        _checks.check_key(key)  # the words' range: in C
+        return _draw_c(lib, "normal", key, shape, dtype)
+    z = _triton_draw(key, shape, dtype, normal=True)
+    if z is not None:
+        return z
     n_blocks = -(-math.prod(shape) // 4)
     # Box–Muller in at least float32, as Triton computes it.
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -375,6 +505,16 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     # a SymInt (a traced chain count under dynamic shapes) is fine too
     if not isinstance(num, torch.SymInt):
         num = _checks.check_int("num", num, 1)
+        lib = _c_eligible((key,))
+        if lib is not None:
+            _checks.check_key(key)  # the words' range: in C
+            batch = tuple(key.shape[:-1])
+            out = torch.empty((2, num) + batch, dtype=torch.int64)  # stored as the torch path stores it
+            if out.numel():
+                kw, k0, k1, ks = _key_words(key)
+                if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
+                    check_key(key)  # raises
+            return out.permute(*range(2, 2 + len(batch)), 1, 0)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
     # (2, num, *batch) in memory, (*batch, num, 2) to the caller: one word of one key index
@@ -392,7 +532,7 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     ``data`` is an int or an integer tensor (read as 64-bit); it broadcasts against the key's
     batch dimensions. Distinct data give independent keys.
     """
-    check_key(key)
+    _checks.check_key(key)  # the words' range below (in C on the eager CPU path)
     if isinstance(data, torch.Tensor):
         if data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
             raise TypeError(f"data must be an integer or integer tensor, got dtype {data.dtype}")
@@ -401,7 +541,26 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         data = _checks.check_int("data", data)
         if not -(2**63) <= data < 2**63:
             raise ValueError(f"data must fit in int64, got {data}")
+    lib = _c_eligible((key, data) if isinstance(data, torch.Tensor) else (key,))
+    if lib is not None:
+        if isinstance(data, torch.Tensor):
+            batch = key.shape[:-1]
+            shape = batch if data.shape == batch else _broadcast_shapes(batch, data.shape)
+            d = data.expand(shape).reshape(-1)
+            d_ptr, d_stride = d.data_ptr(), d.stride(0)
+        else:  # an int (a step index): read in place, no tensor made for it
+            shape, d = key.shape[:-1], ctypes.c_int64(data)
+            d_ptr, d_stride = ctypes.addressof(d), 0
+        out = torch.empty((2,) + tuple(shape), dtype=torch.int64)  # word-major, as _word_major stores it
+        n = out.numel() // 2
+        if n:
+            kw, k0, k1, ks = _key_words(key if key.shape[:-1] == shape else key.expand(tuple(shape) + (2,)))
+            if lib.fnebm_fold_in(n, k0, k1, ks, d_ptr, d_stride, out.data_ptr(), torch.get_num_threads()):
+                check_key(key)  # raises
+        return out.movedim(0, -1)
+    if not isinstance(data, torch.Tensor):
         data = torch.tensor(data, dtype=torch.int64, device=key.device)
+    check_key(key)
     d_lo = data & _M32
     d_hi = (data >> 32) & _M32
     zero = torch.zeros_like(d_lo)

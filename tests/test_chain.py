@@ -332,3 +332,43 @@ def test_a_state_of_mixed_dtypes_is_named_by_its_dtype(mala_alg, mala_state):
     mixed = mala_state._replace(energy=mala_state.energy.float())  # float64 positions, a float32 energy
     with pytest.raises(ValueError, match=r"step turned state.energy of dtype torch.float32 into torch.float64"):
         fnebm.sample_chain(mala_alg.step, mixed, fr.key(0), 3, compile=False, progress=False)
+
+
+def test_auto_compiles_in_the_background_while_eager_steps_go_on(mala_alg, mala_state):
+    # a cache that compiles in the background, as sample_chain's default one does
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    cache = fnebm.chain.RunnerCache(backend=counter, compile_estimate_s=0.0, background=True)
+    plans = []
+    kw = dict(progress=False, cache=cache, on_plan=plans.append)
+    with pytest.warns(fnebm.chain.runner.CompileNotice, match="in the background"):
+        first = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)
+    assert plans[0].background and not plans[0].compiled and plans[0].engine == "eager"
+    assert cache.wait(timeout=300)  # the compile ran on its own thread, two steps, dropped
+    frames = counter.frame_count
+    # traced once: the step size, a 0-dim float64 tensor, once made Dynamo restart the analysis
+    # (a frame counted twice, the first one empty); runner._lift passes it as (1,)
+    assert frames == 1 and len(counter.graphs) == 1
+    second = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)
+    assert plans[-1].compiled and plans[-1].engine == "compiled" and not plans[-1].compiles
+    assert counter.frame_count == frames  # the graph compiled in the background serves the call
+    _close(first[0].state, second[0].state)  # the same keys: the same draws, eager or compiled
+    _close([first[1]], [second[1]])
+
+
+def test_a_background_compile_that_fails_is_said_once_and_the_steps_stay_eager(mala_alg, mala_state):
+    def refuses(gm, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    cache = fnebm.chain.RunnerCache(backend=refuses, compile_estimate_s=0.0, background=True)
+    plans = []
+    kw = dict(progress=False, cache=cache, on_plan=plans.append)
+    with pytest.warns(fnebm.chain.runner.CompileNotice):
+        first = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)
+    assert cache.wait(timeout=300)
+    with pytest.warns(fnebm.chain.CompileFallbackWarning, match="compiles nothing"):
+        second = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)
+    assert plans[-1].fallback and "compiles nothing" in plans[-1].fallback and not plans[-1].compiled
+    third = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)  # said once: no warning now
+    _close([first[1], third[1]], [second[1], second[1]])

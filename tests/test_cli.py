@@ -82,7 +82,7 @@ def compiled(tmp_path_factory, compile_record):
     out, png = d / "samples.pt", d / "samples.png"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli.sample, "_tty", lambda: True)
+        mp.setattr(cli.report, "_tty", lambda: True)
         code = cli.main([*COMPILED, "--out", str(out), "--plot", str(png)])
     return code, stdout.getvalue(), stderr.getvalue(), out, png
 
@@ -136,7 +136,7 @@ def test_no_compile_gives_the_same_draws(compiled, tmp_path, capsys):
     _, _, _, first_pt, _ = compiled
     out = tmp_path / "eager.pt"
     argv = [a for a in COMPILED if a != "--compile"]
-    code, stdout, _ = run(capsys, *argv, "--no-compile", "--out", out)
+    code, stdout, _ = run(capsys, *argv, "--backend", "torch", "--no-compile", "--out", out)
     assert code == 0 and "path         eager (--no-compile)" in stdout and "compile      none" in stdout
     torch.testing.assert_close(torch.load(out)["trace"], torch.load(first_pt)["trace"], rtol=1e-5, atol=1e-5)
 
@@ -230,15 +230,15 @@ def test_compile_times_are_remembered_for_the_notice(compiled, compile_record):
     times = json.loads(compile_record.read_text())
     assert times["mala double_well dim=2 chains=64 float32 cpu"]["first"] > 0
     argv = build_args(COMPILED)
-    notice = cli.sample.compile_notice(cli.sample._config(argv))
+    notice = cli.report.compile_notice(cli.options._config(argv))
     assert "here last time" in notice and "on-disk cache" in notice
-    other = cli.sample.compile_notice(cli.sample._config(build_args([*COMPILED[:-1], "--dim", "3", "--compile"])))
+    other = cli.report.compile_notice(cli.options._config(build_args([*COMPILED[:-1], "--dim", "3", "--compile"])))
     assert "the first time on this machine (the median of 1 first compiles" in other  # measured here
 
 
 def test_compile_notice_without_records(monkeypatch, tmp_path):
     monkeypatch.setattr(cli._common, "_compile_times_path", lambda: str(tmp_path / "none.json"))
-    notice = cli.sample.compile_notice(cli.sample._config(build_args(COMPILED)))
+    notice = cli.report.compile_notice(cli.options._config(build_args(COMPILED)))
     assert notice.startswith("compiling mala on double_well") and "cached on disk" in notice
     assert "30-45 s on a 2-core CPU" in notice
 
@@ -284,7 +284,7 @@ def _never_built(module, tmp_path, monkeypatch):
     monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "cache"))
     for name, value in (("lib", None), ("why", None), ("build_s", 0.0)):
         monkeypatch.setattr(module.LIBRARY, name, value)
-    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    monkeypatch.setattr(cli.report, "_tty", lambda: True)
 
 
 def test_a_first_build_of_the_c_kernel_is_announced_and_counted(tmp_path, monkeypatch, capsys):
@@ -335,15 +335,15 @@ def test_defaults_scale_with_dim_and_sampler():
         assert presets.default_steps(name, 2) == spec.steps[0] and presets.default_steps(name, 10) == spec.steps[1]
         assert presets.default_steps(name, 2, "langevin") == 4 * spec.steps[0]
     args = build_args(["sample", "--energy", "gaussian", "--dim", "10"])
-    cfg = cli.sample._config(args)
+    cfg = cli.options._config(args)
     assert (cfg.steps, cfg.burn_in, cfg.thin) == (3000, 750, 3)  # about 1000 draws kept
 
 
 def test_burn_in_ramp():
-    assert cli.sample._ramp(100, False) == [(1 / 64, 12), (1 / 16, 12), (1 / 4, 12)]
-    assert cli.sample._ramp(15, False) == [] and cli.sample._ramp(100, True) == []
-    assert cli.sample._ramp(10_000, False) == [(1 / 64, 64), (1 / 16, 64), (1 / 4, 64)]
-    assert cli.sample._ramp(100, False, "rosenbrock") != [] and cli.sample._ramp(100, False, "gaussian") == []
+    assert cli.run._ramp(100, False) == [(1 / 64, 12), (1 / 16, 12), (1 / 4, 12)]
+    assert cli.run._ramp(15, False) == [] and cli.run._ramp(100, True) == []
+    assert cli.run._ramp(10_000, False) == [(1 / 64, 64), (1 / 16, 64), (1 / 4, 64)]
+    assert cli.run._ramp(100, False, "rosenbrock") != [] and cli.run._ramp(100, False, "gaussian") == []
 
 
 def test_runaway_chains_are_named_and_the_plot_stays_readable(tmp_path, capsys):
@@ -419,13 +419,13 @@ def test_mixing_verdicts_on_made_up_traces():
     noise = 0.1 * torch.randn(draws, chains, 1, generator=g)
     modes = torch.where(torch.arange(chains) % 3 == 0, 3.0, -3.0)[None, :, None]
     rhat = torch.tensor([2.0])
-    assert cli.sample.mixing(noise + modes, rhat)["verdict"] == "separate modes"
+    assert cli.stats.mixing(noise + modes, rhat)["verdict"] == "separate modes"
     many = 0.1 * torch.randn(draws, 512, 1, generator=g) + torch.where(torch.arange(512) % 2 == 0, 3.0, -3.0)[None, :, None]
     many[:, :4] = torch.linspace(-3, 3, draws)[:, None, None]  # 4 of 512 chains cross between the modes
-    assert cli.sample.mixing(many, rhat)["verdict"] == "separate modes"
+    assert cli.stats.mixing(many, rhat)["verdict"] == "separate modes"
     walk = torch.randn(draws, chains, 1, generator=g).cumsum(0)  # one slow random walk per chain
-    assert cli.sample.mixing(walk, rhat)["verdict"] == "too short"
-    assert cli.sample.mixing(walk[:, :8], rhat)["verdict"] == "few chains"
+    assert cli.stats.mixing(walk, rhat)["verdict"] == "too short"
+    assert cli.stats.mixing(walk[:, :8], rhat)["verdict"] == "few chains"
 
 
 def test_flag_chains_on_a_made_up_trace():
@@ -433,11 +433,11 @@ def test_flag_chains_on_a_made_up_trace():
     x[5:, 3] = 1e9          # ran away and stuck there
     x[:, 7] = x[0, 7]       # frozen
     x[10, 9, 1] = math.inf  # not finite
-    flags = cli.sample.flag_chains(x)
+    flags = cli.stats.flag_chains(x)
     assert flags["runaway"].nonzero().flatten().tolist() == [3, 9]
     assert flags["frozen"].nonzero().flatten().tolist() == [7]
     assert flags["stuck"].nonzero().flatten().tolist() == []  # chain 3 moved before it stuck
-    assert cli.sample.flag_chains(x[:9])["frozen"].sum() == 0  # too few draws to call a chain frozen
+    assert cli.stats.flag_chains(x[:9])["frozen"].sum() == 0  # too few draws to call a chain frozen
 
 
 def test_truth_check_catches_langevin_bias(tmp_path, capsys):
@@ -547,9 +547,9 @@ def test_memory_is_checked_before_sampling(monkeypatch, tmp_path, capsys):
 
 
 def test_memory_estimate_covers_the_trace():
-    cfg = cli.sample._config(build_args(["sample", "--energy", "gaussian", "--dim", "10", "--chains", "1000",
+    cfg = cli.options._config(build_args(["sample", "--energy", "gaussian", "--dim", "10", "--chains", "1000",
                                          "--steps", "500"]))
-    need, host, _ = cli.sample.memory_estimate(cfg)
+    need, host, _ = cli.options.memory_estimate(cfg)
     trace = 1000 * 500 * 11 * 4
     assert trace < need < 20 * trace and host == 0
 
@@ -653,12 +653,12 @@ def test_matplotlib_is_imported_after_every_decision_that_times_steps(small_demo
     sampling eagerly for 2 s. Beside eager chains it is not started either (they hold the GIL)."""
     from types import SimpleNamespace
 
-    from fnebm.cli import sample as cs
+    from fnebm.cli import plotting, report
 
     plans, imports = [], []
-    monkeypatch.setattr(cs, "_import_plotting", lambda: imports.append(len(plans)))
-    real_on_plan = cs._Calls.on_plan
-    monkeypatch.setattr(cs._Calls, "on_plan", lambda self, plan: (plans.append(plan), real_on_plan(self, plan))[1])
+    monkeypatch.setattr(plotting, "_import_plotting", lambda: imports.append(len(plans)))
+    real_on_plan = report._Calls.on_plan
+    monkeypatch.setattr(report._Calls, "on_plan", lambda self, plan: (plans.append(plan), real_on_plan(self, plan))[1])
     monkeypatch.chdir(tmp_path)
     # the eager path's ordering: with the C kernel unavailable (the demo's target is one it covers)
     from fnebm.kernels import cpu_chain
@@ -677,7 +677,7 @@ def test_matplotlib_is_imported_after_every_decision_that_times_steps(small_demo
     # called; once; never with --profile (it times steps later) or on ranks other than 0
     def imported(**cfg):
         imports.clear()
-        io = cs._PlottingImport(SimpleNamespace(**{"plot": "x.png", "rank": 0, "profile": False, **cfg}))
+        io = plotting._PlottingImport(SimpleNamespace(**{"plot": "x.png", "rank": 0, "profile": False, **cfg}))
         seen = []
         on_plan = io.after(seen.append)
         on_plan(SimpleNamespace(compiled=False, kernel=False))
@@ -737,3 +737,21 @@ def test_python_dash_m_fnebm(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "R-hat max" in proc.stdout and "saved" in proc.stdout
     assert torch.load(out)["trace"].shape == (6, 16, 3)
+
+
+def test_backend_is_sample_chains_word_and_a_forced_kernel_that_cannot_run_is_one_line(tmp_path, capsys):
+    # --backend c on a run the C kernel covers: the path line says so
+    code, stdout, _ = run(capsys, "sample", "--energy", "double_well", "--sampler", "mala", "--dim", 2, *EAGER,
+                          "--backend", "c")
+    assert code == 0 and "path         the whole-chain C kernel (CPU), nothing compiled" in stdout
+    # --backend torch --no-compile: the sampler's own steps, eagerly
+    code, stdout, _ = run(capsys, "sample", "--energy", "double_well", "--sampler", "mala", "--dim", 2, *EAGER,
+                          "--backend", "torch")
+    assert code == 0 and "path         eager (--no-compile)" in stdout
+    # a kernel that cannot run this energy: one line on stderr naming why, exit 2, nothing written
+    out = tmp_path / "x.pt"
+    code, stdout, stderr = run(capsys, "sample", "--energy", "rosenbrock", "--sampler", "mala", "--dim", 2, *EAGER,
+                               "--backend", "c", "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("fnebm: error: --backend c: the energy Rosenbrock is not one the C kernel"), line

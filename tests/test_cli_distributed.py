@@ -244,7 +244,7 @@ def test_the_warm_up_says_before_it_compiles(monkeypatch, capsys):
         return warmup._replace(run=run_)
 
     monkeypatch.setattr(fnebm, "window_adaptation", spy)
-    monkeypatch.setattr(cli.sample, "_tty", lambda: True)
+    monkeypatch.setattr(cli.report, "_tty", lambda: True)
     code, out, err = run(capsys, *SAMPLE)
     assert code == 0 and len(told) == 1
     assert err.startswith("fnebm: compiling the window adaptation of hmc on gaussian (dim 2, 9 chains, float64, "

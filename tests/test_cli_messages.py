@@ -7,7 +7,7 @@ import torch
 
 from fnebm import cli
 from fnebm.cli import presets
-from fnebm.cli.sample import mixing
+from fnebm.cli.stats import mixing
 
 
 def test_the_mixing_note_of_a_run_whose_chains_are_all_flagged_warns_nothing():

@@ -219,7 +219,7 @@ def test_the_command_line_reports_the_fallback_as_the_path_of_its_call():
     # fnebm sample's summary: a revised plan replaces its call's first plan, and the path says why
     from types import SimpleNamespace
 
-    from fnebm.cli.sample import _Calls
+    from fnebm.cli.report import _Calls
     from fnebm.chain import RunPlan
 
     calls = _Calls(SimpleNamespace(progress=False, compile=True), 10)

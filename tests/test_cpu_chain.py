@@ -12,7 +12,8 @@ import torch
 import fnebm
 from fnebm import energies
 from fnebm import random as fr
-from fnebm.chain import backend as be
+from fnebm.chain import engines as be
+from fnebm.kernels import dispatch
 from fnebm.kernels import cpu_chain
 
 pytestmark = pytest.mark.skipif(cpu_chain.available() is not None,
@@ -160,14 +161,18 @@ def _state(n=50, d=10, energy=None, h=0.01):
     return alg, torch.func.vmap(alg.init)(fr.normal(fr.key(0), (n, d)))
 
 
-def test_auto_takes_the_c_kernel_on_the_cpu_unless_compile_is_false():
+def test_auto_takes_the_c_kernel_on_the_cpu_and_torch_never_does():
+    # compile concerns the torch engine only: backend="torch" is how to ask for the sampler's own steps
     alg, state = _state()
     plans = []
     fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, on_plan=plans.append)
     fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, compile=True, on_plan=plans.append)
     fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, compile=False, on_plan=plans.append)
-    assert [p.kernel for p in plans] == [True, True, False]
-    assert "C kernel" in plans[0].reason
+    fnebm.sample_chain(alg.step, state, fr.key(1), 5, progress=False, backend="torch", compile=False,
+                       on_plan=plans.append)
+    assert [p.kernel for p in plans] == [True, True, True, False]
+    assert [p.engine for p in plans] == ["c", "c", "c", "eager"]
+    assert "C kernel" in plans[0].reason and plans[3].skipped == ()
 
 
 @pytest.mark.parametrize("make", [fnebm.langevin, fnebm.mala])
@@ -299,7 +304,7 @@ def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
         "fnebm.sample_chain(alg.step, state, fr.key(1), 3, progress=False, on_plan=plans.append)\n"
         "assert not plans[-1].kernel, plans\n"
         "assert 'the C kernel covers this run but could not be used (no C compiler found' in plans[-1].reason\n"
-        "assert 'C kernel' not in plans[0].reason  # compile=False: the kernel would not run anyway\n"
+        "assert all(p.skipped[0].unavailable and p.skipped[0].engine == 'c' for p in plans), plans\n"
         "try:\n"
         "    fnebm.sample_chain(alg.step, state, fr.key(1), 3, backend='c', progress=False)\n"
         "except ValueError as exc:\n"
@@ -327,11 +332,17 @@ def test_the_library_is_built_once_and_then_loaded(tmp_path):
     assert built[0].stat().st_mtime_ns == stamp
 
 
+def _why_not_c(step, chain):
+    path = next(p for p in dispatch.FAST_PATHS if p.engine == "c" and p.scope == "chain")
+    return dispatch.why_not(path, dispatch.RunRequest(step, chain.state, chain.keys, chain.steps_taken, "position",
+                                                      False))
+
+
 def test_why_not_c_is_none_for_a_covered_run():
     alg, state = _state(energy=energies.harmonic(2.0))
     chain = fnebm.chain.init(state, fr.key(0))
-    assert be.why_not_c(alg.step, chain, be.position) is None
-    assert "MALAState" in be.why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain, be.position)
+    assert _why_not_c(alg.step, chain) is None
+    assert "MALAState" in _why_not_c(fnebm.mala(energies.harmonic(2.0), 0.1).step, chain)
 
 
 def test_position_and_energy_are_written_by_the_kernel():
@@ -462,7 +473,7 @@ def test_an_energy_for_another_dimension_is_refused_not_misread():
     with pytest.raises(ValueError, match="does not take the position's 5 elements"):
         fnebm.sample_chain(step, state, fr.key(1), 2, backend="c", progress=False)
     chain = fnebm.chain.init(state, fr.key(1))
-    assert "dim == 3" in be.why_not_c(step, chain, be.position)
+    assert "dim == 3" in _why_not_c(step, chain)
     x = state.position
     with pytest.raises(ValueError, match="dim"):
         cpu_chain.run_into(g3, x, state.energy, state.grad, fr.split(fr.key(1), 4), 0, torch.tensor(0.1),

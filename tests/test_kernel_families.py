@@ -191,11 +191,10 @@ _QUARTIC_SITES = [
 _QUARTIC_RUN = '''
 import torch, fnebm
 from fnebm import random as fr
-from fnebm.chain import backend as be
 from fnebm.energies.analytic import Quartic
-from fnebm.kernels import cpu_chain, families
+from fnebm.kernels import cpu_chain, dispatch, families
 
-be._INTERPRETER_ON_CPU = True  # the Triton kernel on CPU tensors, under the interpreter
+dispatch._INTERPRETER_ON_CPU = True  # the Triton kernel on CPU tensors, under the interpreter
 energy = Quartic(torch.tensor(0.5))
 assert families.find(energy).name == "quartic" and cpu_chain.covers(energy) is None, cpu_chain.covers(energy)
 for make in (fnebm.langevin, fnebm.mala):

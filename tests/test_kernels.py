@@ -57,6 +57,7 @@ def test_eager_philox_kernel_gives_the_torch_paths_bits(monkeypatch, case):
     ks = fr.split(k, 5)
     monkeypatch.setattr(fr, "_NUMPY_EAGER", False)
     monkeypatch.setattr(fr, "_TRITON_EAGER_DEVICES", ())
+    monkeypatch.setattr(fr, "_TRITON_DRAWS", False)  # the block kernel (the one-launch draws: test_random_triton.py)
     want = _PHILOX_CASES[case](k, ks)
     launches = []
     real = fr._philox_triton
@@ -241,13 +242,20 @@ def test_chain_ops_registered():
 
 # ------------------------------------------------------------ dispatch: sample_chain(backend=)
 
-from fnebm.chain import backend as chain_backend  # noqa: E402
+from fnebm.chain.loop import needs_grad  # noqa: E402
+from fnebm.kernels import dispatch  # noqa: E402
 
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """backend="triton" may run the kernel on CPU tensors (under the interpreter): tests only."""
-    monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", True)
+    monkeypatch.setattr(dispatch, "_INTERPRETER_ON_CPU", True)
+
+
+def _engine(step, chain, backend, collect="position"):
+    """The engine fnebm.kernels.dispatch picks for this chain (``"torch"`` when no kernel runs)."""
+    req = dispatch.RunRequest(step, chain.state, chain.keys, chain.steps_taken, collect, needs_grad(step, chain.state))
+    return dispatch.choose(req, backend).engine
 
 
 def _alg(sampler, energy, chains):
@@ -305,16 +313,14 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     key = fr.key(0, DEVICE)
     chain = fnebm.chain.init(state, key)
 
-    def refuses(match, step=alg.step, chain=chain, collect=chain_backend.position, auto=None):
+    def refuses(match, step=alg.step, chain=chain, collect="position", auto=None):
         with pytest.raises(ValueError, match=match):
-            chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="triton")
+            _engine(step, chain, "triton", collect)
         # "auto" then runs no kernel, or (on the CPU) the C kernel where it covers the run
-        run = chain_backend.kernel_runner(step, chain, 2, burn_in=0, thin=1, collect=collect, backend="auto")
-        assert (run and run.engine) == auto
+        assert _engine(step, chain, "auto", collect) == (auto or "torch")
 
     def served(backend):
-        return chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
-                                           backend=backend) is not None
+        return _engine(alg.step, chain, backend) != "torch"
 
     # on CPU: served by "triton" under the interpreter with the test switch; "auto" takes the
     # Triton kernel on CUDA and the C kernel on the CPU (where a C compiler builds it)
@@ -322,13 +328,11 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
 
     c_engine = "c" if cpu_chain.available() is None else None
     assert served("triton")
-    auto = chain_backend.kernel_runner(alg.step, chain, 2, burn_in=0, thin=1, collect=chain_backend.position,
-                                       backend="auto")
-    assert (auto and auto.engine) == ("triton" if DEVICE == "cuda" else c_engine)
-    assert not served("compiled") and not served("eager")
+    assert _engine(alg.step, chain, "auto") == ("triton" if DEVICE == "cuda" else c_engine or "torch")
+    assert not served("torch") and not served("compiled") and not served("eager")
     refuses("not fnebm.langevin", step=fnebm.vmap_chains(lambda s, k: alg.step(s, k)))
     refuses("not fnebm.langevin", step=fnebm.hmc(energy, 0.1, num_integration_steps=3).step)
-    refuses("collect", collect=lambda s: s.position)
+    refuses("collect", collect=None)
     refuses("Rosenbrock", step=fnebm.mala(E.rosenbrock(dtype=torch.float32, device=DEVICE), 0.1).step)
     # a full precision matrix: the Triton kernel refuses it, the C kernel takes it
     refuses("full precision", step=fnebm.mala(E.gaussian(torch.zeros(3), torch.eye(3) + 0.5, dtype=torch.float32,
@@ -350,7 +354,7 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     assert got[1] is strided[0] and not got[1].is_contiguous()
     _assert_runs_close(got, ref)
     if DEVICE == "cpu":
-        monkeypatch.setattr(chain_backend, "_INTERPRETER_ON_CPU", False)
+        monkeypatch.setattr(dispatch, "_INTERPRETER_ON_CPU", False)
         refuses("not a CUDA device", auto=c_engine)
     with pytest.raises(ValueError, match="backend must be one of"):
         fnebm.sample_chain(alg.step, state, key, 2, backend="gpu")

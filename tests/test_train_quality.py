@@ -50,7 +50,7 @@ def samples(tmp_path_factory):
     cfg = cli.train.TrainConfig(**ckpt["config"], steps=1, sample_steps=500, device="cpu", out=None, plot=None,
                                 resume=None, progress=False, compile=False)
     # N_SAMPLES independent chains from noise, 500 steps of the default sampler each, one fixed key
-    return cli.train.model_samples(cfg, ckpt["params"], fr.key(2024), N_SAMPLES).double()
+    return cli.train_model.model_samples(cfg, ckpt["params"], fr.key(2024), N_SAMPLES).double()
 
 
 def mode_weights(x):

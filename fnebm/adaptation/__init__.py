@@ -9,8 +9,10 @@
 * :mod:`fnebm.adaptation.chees` — ChEES-HMC: step size and a jittered trajectory length tuned
   across an ensemble of chains (:func:`chees_adaptation`).
 
-This layer sits above the samplers and below :mod:`fnebm.chain`: it imports the chain runner
-only inside the function that runs a warm-up.
+This layer sits above the samplers and below :mod:`fnebm.chain`, and never imports it: a warm-up
+runs its steps through a runner (an argument, by default :func:`fnebm._loop.default_runner`,
+which :mod:`fnebm.chain` sets to ``sample_chain``'s: compiled, cached, with ``compile="auto"`` and
+the eager fallback).
 """
 
 from fnebm.adaptation.chees import ChEESAdaptation, ChEESInfo, ChEESState, chees_adaptation

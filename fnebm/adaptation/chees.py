@@ -19,7 +19,9 @@ recommend for GPU ensembles.
 
 The warm-up is one call of :func:`fnebm.sample_chain` over the whole ensemble (the ensemble
 is one "chain" of a state whose fields lead with the chain axis), so it compiles once; new
-positions, targets or initial step sizes of the same shapes reuse the graph.
+positions, targets or initial step sizes of the same shapes reuse the graph. It reaches
+``sample_chain`` through the runner of :mod:`fnebm._loop` (:mod:`fnebm.chain` installs it), not by
+importing :mod:`fnebm.chain`, which sits above this layer.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import Tensor
 
 from fnebm import _checks
+from fnebm import _loop
 from fnebm import random as fr
 from fnebm.adaptation.step_size import DualAveragingState, dual_averaging
 from fnebm.integrators.metrics import Dense, Diagonal, check_inverse_mass_matrix
@@ -176,6 +179,7 @@ def chees_adaptation(
     divergence_threshold: float = 1000.0,
     compile: bool = True,
     cache: Any = None,
+    runner: Callable[..., Any] | None = None,
 ) -> ChEESAdaptation:
     """ChEES-HMC warm-up of ``num_steps`` iterations over an ensemble of chains.
 
@@ -197,6 +201,10 @@ def chees_adaptation(
             :class:`~fnebm.chain.runner.CompileFallbackWarning` (see :func:`fnebm.sample_chain`).
         cache: the :class:`fnebm.chain.RunnerCache` holding the compiled warm-up (default: the
             process-wide one).
+        runner: what runs the warm-up's steps, ``runner(step, state, key, n_steps, *, collect,
+            compile, cache, progress, on_plan) -> (state, trace, info)`` (default:
+            ``sample_chain``'s, see :mod:`fnebm._loop`; ``fnebm._loop.eager_runner`` is the plain
+            loop).
 
     Returns:
         ``ChEESAdaptation(run)``. ``run(positions: (chains, d), key) -> (states, parameters,
@@ -228,6 +236,8 @@ def chees_adaptation(
                          f"got {integrator}")
     if compile not in (True, False, "auto") or not isinstance(compile, (bool, str)):
         raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
+    if runner is not None:
+        _checks.check_callable("runner", runner, "runner(step, state, key, n_steps, **options) -> (state, trace, info)")
     if initial_step_size is not None:
         initial_step_size = _checks.tunable("initial_step_size", initial_step_size)
         if initial_step_size.ndim:
@@ -243,8 +253,6 @@ def chees_adaptation(
     da = dual_averaging(target_acceptance_rate)
 
     def run(positions: Tensor, key: Tensor) -> tuple[HMCState, dict[str, Any], ChEESInfo]:
-        from fnebm.chain.sample import sample_chain  # fnebm.chain sits above adaptation: import at use
-
         if not isinstance(positions, Tensor) or positions.ndim != 2 or not positions.is_floating_point():
             raise ValueError("positions must be a floating tensor (chains, d): one start per chain "
                              f"(ChEES learns from the ensemble), got {getattr(positions, 'shape', type(positions))}")
@@ -264,9 +272,9 @@ def chees_adaptation(
                            torch.ones((), dtype=torch.int64, device=device))
         step = functools.partial(_adapt_step, transition, da, learning_rate, decay_rate, jitter_amount,
                              max_leapfrog_steps, energy_fn, imm, n_chains)
-        chain, _, info = sample_chain(step, state, key, num_steps, chain_ndim=0, compile=compile, progress=False,
-                                      collect=_nothing, cache=cache)
-        final = chain.state
+        run_steps = _loop.default_runner() if runner is None else runner  # sample_chain's under import fnebm
+        final, _, info = run_steps(step, state, key, num_steps, collect=_nothing, compile=compile, cache=cache,
+                                   progress=False, on_plan=None)
         step_size = final.log_step_size_avg.exp()
         length = torch.ceil((final.log_trajectory_length_avg - final.log_step_size_avg).exp()).clamp(1, max_leapfrog_steps)
         parameters = {"step_size": step_size, "inverse_mass_matrix": imm,

@@ -24,6 +24,11 @@ inverse_mass_matrix, **extra).step``), so the warm-up is one compiled call of
 :func:`fnebm.sample_chain`, and a second warm-up with other values (another target's
 parameters, another initial step size or target acceptance, another ``num_steps``) reuses the
 graph.
+
+This module imports neither :mod:`fnebm.chain` (above it) nor the samplers it knows: the warm-up
+runs through a runner (:func:`fnebm._loop.default_runner`, which :mod:`fnebm.chain` sets to
+``sample_chain``'s), and the defaults of :func:`fnebm.nuts` and :func:`fnebm.hmc` are a table
+keyed by the constructor's name (:data:`SAMPLER_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -37,13 +42,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fnebm import _checks
+from fnebm import _loop
 from fnebm import random as fr
 from fnebm.adaptation import mass_matrix as mm
 from fnebm.adaptation import step_size as ss
 from fnebm.integrators.metrics import Dense, Diagonal, check_inverse_mass_matrix
 from fnebm.samplers.base import check_energy
-from fnebm.samplers.hmc import hmc
-from fnebm.samplers.nuts import nuts
 
 __all__ = [
     "Schedule",
@@ -57,6 +61,8 @@ __all__ = [
     "default_step_size",
     "default_num_integration_steps",
     "default_target_acceptance_rate",
+    "SamplerDefaults",
+    "SAMPLER_DEFAULTS",
 ]
 
 # The acceptance statistic dual averaging aims at when the caller names none: NUTS's (the mean
@@ -217,19 +223,47 @@ def _unwrap(algorithm: Any) -> tuple[Any, set[str]]:
     return algorithm, bound
 
 
-# by the algorithm's identity: NUTS's statistic (the mean over the tree) at 0.8, as Stan
-_TARGETS = {nuts: NUTS_TARGET_ACCEPTANCE_RATE, hmc: HMC_TARGET_ACCEPTANCE_RATE}
+class SamplerDefaults(NamedTuple):
+    """What the warm-up assumes of an algorithm the caller leaves unsaid.
+
+    target_acceptance_rate: of the algorithm's acceptance statistic; trajectory_rule: the
+    algorithm takes ``num_integration_steps``, and a warm-up given none fills in
+    ``ceil(sqrt(d))`` (:func:`default_num_integration_steps`)."""
+
+    target_acceptance_rate: float
+    trajectory_rule: bool = False
+
+
+# By the constructor's name (module and qualified name, under any functools.partial): NUTS's
+# statistic (the mean over the tree) at 0.8, as Stan; one HMC trajectory's at 0.65 and its length
+# by the rule of thumb. Any other algorithm: 0.65 and no rule, or what it declares (a
+# ``target_acceptance_rate`` attribute).
+SAMPLER_DEFAULTS: dict[str, SamplerDefaults] = {
+    "fnebm.samplers.nuts.nuts": SamplerDefaults(NUTS_TARGET_ACCEPTANCE_RATE),
+    "fnebm.samplers.hmc.hmc": SamplerDefaults(HMC_TARGET_ACCEPTANCE_RATE, trajectory_rule=True),
+}
+_OTHER = SamplerDefaults(HMC_TARGET_ACCEPTANCE_RATE)
+
+
+def sampler_name(algorithm: Any) -> str:
+    """``module.qualname`` of the constructor under any ``functools.partial`` layers."""
+    fn, _ = _unwrap(algorithm)
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _defaults(algorithm: Any) -> SamplerDefaults:
+    return SAMPLER_DEFAULTS.get(sampler_name(algorithm), _OTHER)
 
 
 def default_target_acceptance_rate(algorithm: Any) -> float:
     """0.8 for :func:`fnebm.nuts`, 0.65 for :func:`fnebm.hmc` and any other algorithm (also under
-    ``functools.partial``); an algorithm may declare its own with a ``target_acceptance_rate``
-    attribute."""
+    ``functools.partial``; :data:`SAMPLER_DEFAULTS`); an algorithm may declare its own with a
+    ``target_acceptance_rate`` attribute."""
     fn, _ = _unwrap(algorithm)
     declared = getattr(algorithm, "target_acceptance_rate", getattr(fn, "target_acceptance_rate", None))
     if declared is not None:
         return float(declared)
-    return _TARGETS.get(fn, HMC_TARGET_ACCEPTANCE_RATE)
+    return _defaults(algorithm).target_acceptance_rate
 
 
 def _extra_for(extra: dict[str, Any], steps_rule: bool, d: int) -> dict[str, Any]:
@@ -381,13 +415,16 @@ def window_adaptation(
 
     Returns:
         :class:`WindowAdaptation`; ``run(position_or_state, key, *, compile=True, cache=None,
-        progress=False, on_plan=None) -> AdaptationResults(state, parameters, info)``.
+        progress=False, on_plan=None, runner=None) -> AdaptationResults(state, parameters, info)``.
         ``position_or_state``: positions ``(*chains, d)`` or a sampler state of the algorithm;
         ``key``: one key ``(2,)``. ``compile`` (``True``, ``False`` or ``"auto"``) and
         ``on_plan`` (told before the warm-up whether it compiles, and why) are
         :func:`fnebm.sample_chain`'s; so is the fallback: a compile that fails on your energy
         runs the warm-up eagerly instead (the same result), with one
-        :class:`~fnebm.chain.runner.CompileFallbackWarning`.
+        :class:`~fnebm.chain.runner.CompileFallbackWarning`. ``runner``: what runs the warm-up's
+        steps, ``runner(step, state, key, n_steps, *, collect, compile, cache, progress, on_plan)
+        -> (state, trace, info)`` (default: ``sample_chain``'s, see :mod:`fnebm._loop`;
+        ``fnebm._loop.eager_runner`` is the plain loop).
         ``parameters`` has ``step_size`` (the averaged dual-averaging iterate: 0-dim pooled, or
         ``chains``), ``inverse_mass_matrix`` (a :class:`~fnebm.integrators.metrics.Diagonal` or
         :class:`~fnebm.integrators.metrics.Dense`, shared or per chain) and the ``extra``
@@ -427,8 +464,8 @@ def window_adaptation(
     _checks.check_signature("algorithm", algorithm, 3, extra, what=expected,
                             hint="window_adaptation passes its other keyword arguments on to algorithm")
     schedule = build_schedule(num_steps, initial_buffer, first_window, final_buffer)
-    fn, bound = _unwrap(algorithm)
-    steps_rule = fn is hmc and "num_integration_steps" not in set(extra) | bound
+    _, bound = _unwrap(algorithm)
+    steps_rule = _defaults(algorithm).trajectory_rule and "num_integration_steps" not in set(extra) | bound
     step = functools.partial(_adapt_step, algorithm=algorithm, energy_fn=energy_fn, extra=dict(extra),
                              diagonal=diagonal, steps_rule=steps_rule, t0=float(t0),
                              gamma=None if gamma is None else float(gamma),
@@ -483,20 +520,21 @@ def window_adaptation(
         return adapt.state, parameters
 
     def run(position_or_state: Any, key: Tensor, *, compile: bool | str = True, cache: Any = None,
-            progress: bool = False, on_plan: Any = None) -> AdaptationResults:
-        # fnebm.chain sits above fnebm.adaptation (it runs any step): import it where it is used
-        from fnebm.chain.sample import sample_chain
-
+            progress: bool = False, on_plan: Any = None, runner: Callable[..., Any] | None = None) -> AdaptationResults:
+        if runner is None:
+            runner = _loop.default_runner()  # sample_chain's once fnebm.chain is imported (import fnebm does)
+        else:
+            _checks.check_callable("runner", runner, "runner(step, state, key, n_steps, **options) -> (state, trace, info)")
         _checks.check_key(key)
         if key.ndim != 1:
             raise ValueError(f"key must be one key of shape (2,) (the warm-up splits it over the chains), "
                              f"got shape {tuple(key.shape)}")
         adapt = init(position_or_state)
-        # the whole ensemble is one "chain" of sample_chain (chain_ndim=0): pooled fields have no
+        # the whole ensemble is one "chain" of the runner (no chain axes): pooled fields have no
         # chain axis, and the step splits its key over the chains
-        chain, _, info = sample_chain(step, adapt, key, num_steps, chain_ndim=0, collect=_schedule_index,
-                                      compile=compile, cache=cache, progress=progress, on_plan=on_plan)
-        state, parameters = final(chain.state)
+        adapted, _, info = runner(step, adapt, key, num_steps, collect=_schedule_index, compile=compile, cache=cache,
+                                  progress=progress, on_plan=on_plan)
+        state, parameters = final(adapted)
         return AdaptationResults(state, parameters, info)
 
     return WindowAdaptation(init, step, final, run, schedule)

@@ -143,8 +143,42 @@ def describe_failure(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _chunk(step, collect, keys, state, ts):
+def _chunk(step, lifted, collect, keys, state, ts):
+    if lifted:  # the step's 0-dim float64 tensors, passed as (1,) (see _lift), 0-dim again
+        step = functools.partial(step.func, *step.args, **{k: v.reshape(()) if k in lifted else v
+                                                         for k, v in step.keywords.items()})
     return loop(step, collect, keys, state, ts, unroll=False)
+
+
+def _lift(step: Any) -> tuple[Any, tuple[str, ...]]:
+    """``(step, names)``: a partial's 0-dim float64 CPU tensors (a sampler's step size or noise
+    scale made from a number) reshaped to ``(1,)``, and their keyword names.
+
+    Dynamo's fake tensors give every 0-dim float64 or integer CPU input a symbolic value (as if
+    ``.item()`` might be called); when the graph never uses it as a number, AOT autograd's
+    scalar pass finds the symbol unused and restarts the whole trace to specialise it away: every
+    sampler compiled twice over (on the 784-D MLP, 19 s of a 90 s compile). A ``(1,)`` input
+    has no such value; the compiled function reshapes it back, so the kernel sees what it was
+    given, and a new value still recompiles nothing.
+    """
+    if not isinstance(step, functools.partial):
+        return step, ()
+    names = tuple(k for k, v in step.keywords.items()
+                  if type(v) is torch.Tensor and v.ndim == 0 and v.dtype == torch.float64 and v.device.type == "cpu")
+    if not names:
+        return step, ()
+    keywords = {k: v.reshape(1) if k in names else v for k, v in step.keywords.items()}
+    return functools.partial(step.func, *step.args, **keywords), names
+
+
+def _lifting(compiled: Callable) -> Callable:
+    """The compiled ``_chunk`` called as ``run(step, collect, keys, state, ts)``, its step lifted."""
+
+    def run(step, collect, keys, state, ts):
+        step, lifted = _lift(step)
+        return compiled(step, lifted, collect, keys, state, ts)
+
+    return run
 
 
 def _fresh(fn: Callable) -> Callable:
@@ -164,10 +198,17 @@ class RunPlan(NamedTuple):
     eager_step_s: seconds per eager step for this kind and shapes, the fastest rate measured so far
     (``None`` before any was timed); compile_estimate_s: what ``auto`` takes a compile to cost; steps:
     the steps of this call; kernel: a hand-written Triton kernel runs the whole chain (see
-    ``backend=``), neither the compiled runner nor the eager loop; fallback: ``None``, or why the
+    ``backend=``), neither the compiled runner nor the eager loop; engine: which of those runs
+    (``"compiled"``, ``"eager"``, ``"c"``, ``"triton"``); skipped: each hand-written kernel
+    ``backend="auto"`` passed over, as :class:`fnebm.kernels.dispatch.Skipped` (engine, scope,
+    reason, and ``unavailable``: it covers the run but its library could not be used); transition:
+    ``"c"`` when each step's transition runs in a C kernel (NUTS), else ``""``; fallback: ``None``, or why the
     compile of this kind of step and shapes failed (the exception, on one line), so the steps run
     eagerly; revised: this plan replaces the one this call reported first — its compile failed
-    during the call, and the steps from the chunk that was compiling on run eagerly.
+    during the call, and the steps from the chunk that was compiling on run eagerly, or a compile
+    that ran in the background finished and the rest of the call runs compiled; background: a
+    compile of this kind of step and shapes runs in a background thread (``compile="auto"``,
+    :class:`RunnerCache`'s ``background``), and these steps run eagerly meanwhile.
     """
 
     compiled: bool
@@ -179,12 +220,16 @@ class RunPlan(NamedTuple):
     kernel: bool = False  # a hand-written whole-chain kernel runs (sample_chain's backend=)
     fallback: str | None = None  # the compile failed (why, on one line): the steps run eagerly
     revised: bool = False  # a second report of the same call: its compile failed, the rest runs eagerly
+    background: bool = False  # a compile runs in the background while these steps run eagerly
+    engine: str = ""  # what runs the steps: "compiled", "eager", "c" or "triton" (sample_chain fills it in)
+    skipped: tuple = ()  # the fast paths backend="auto" passed over: fnebm.kernels.dispatch.Skipped values
+    transition: str = ""  # the engine of a transition kernel inside the steps ("c": NUTS's C kernel), or ""
 
 
 class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
-    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed")
+    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed", "pending", "failure_said")
 
     def __init__(self):
         self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
@@ -192,6 +237,8 @@ class _Ledger:
         self.best_step_s = None  # the fastest measured rate: a noisy machine only ever slows a step
         self.compiled = False   # the compiled runner has run at these shapes
         self.failed = None      # why its compile failed (then it runs eagerly, never compiled again)
+        self.pending = None     # the thread compiling it in the background, while eager steps run
+        self.failure_said = False  # a background compile's failure has been warned of
 
     def record(self, seconds: float, steps: int) -> None:
         """``steps`` eager steps took ``seconds``."""
@@ -218,11 +265,23 @@ class RunnerCache:
     (default: 20 s for Inductor — on a 2-core CPU a sampler's graph took 29-37 s with an empty
     on-disk cache and about 6 s with a warm one — and 0 for any other backend, so that ``auto``
     always compiles with a debugging or counting backend).
+
+    ``background`` (``True`` for :data:`default_cache`, the cache ``sample_chain`` uses unless
+    given one; ``False`` by default for a cache you make): when ``compile="auto"`` decides to compile, the compile runs
+    in a background thread and the steps go on eagerly (the same keys, the same draws up to float
+    rounding); a call whose compile finishes switches to the compiled runner at its next chunk
+    (``on_plan`` is told, with a revised plan), and later calls run compiled from the start. A
+    compile that fails there is warned of once (:class:`CompileFallbackWarning`) and the steps
+    stay eager. ``False``: the call that decides to compile waits for it, as ``compile=True`` does.
     """
 
-    def __init__(self, maxsize: int = 64, backend: Any = "inductor", compile_estimate_s: float | None = None):
+    def __init__(self, maxsize: int = 64, backend: Any = "inductor", compile_estimate_s: float | None = None,
+                 background: bool = False):
         self.maxsize = maxsize
         self.backend = backend
+        if not isinstance(background, bool):
+            raise TypeError(f"background must be a bool, got {type(background).__name__}")
+        self.background = background
         self._measure = compile_estimate_s is None and backend == "inductor"  # see compile_s
         if compile_estimate_s is None:
             compile_estimate_s = 20.0 if backend == "inductor" else 0.0
@@ -265,19 +324,54 @@ class RunnerCache:
                            per, est, steps, fallback=ledger.failed)
         if ledger.compiled:
             return RunPlan(True, False, "compiled earlier in this process", per, est, steps)
+        if ledger.pending is not None and compile == "auto":
+            return RunPlan(False, False, "eager: the compile started earlier is still running in the background",
+                           per, est, steps, background=True)
         if compile is True:
             return RunPlan(True, True, "compile=True", per, est, steps)
         est, measured = self._compile_cost(key)
         if per is None:
-            return _announce(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
+            return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
         eager = per * steps
         cost = "a compile took here" if measured else "a compile is taken to cost"
         if ledger.eager_s + eager <= est:
             return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
                                          f"the {est:.3g} s {cost}", per, est, steps)
-        return _announce(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
+        return self._buy(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
                                              f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
                          measured)
+
+    def _buy(self, plan: RunPlan, measured: bool) -> RunPlan:
+        """``auto`` decided to compile: in the background (eager steps meanwhile) or now, announced."""
+        if self.background:
+            return _announce(plan._replace(compiled=False, background=True,
+                                           reason=f"eager while the compile runs in the background ({plan.reason})"),
+                             measured)
+        return _announce(plan, measured)
+
+    def compile_in_background(self, key: Hashable, shapes: Hashable, args: tuple) -> None:
+        """Start compiling runner ``key`` at ``shapes`` in a daemon thread by one call on ``args``
+        (``(step, collect, keys, state, ts)``, two steps; its result is dropped). The ledger records
+        the outcome: ``compiled``, or ``failed`` with why (a later call warns of it once)."""
+        ledger = self.ledger(key, shapes)
+        if ledger.pending is not None or ledger.compiled or ledger.failed is not None:
+            return
+        run = self.get(key)
+
+        def work():
+            _responsive(+1)
+            try:
+                run(*args)
+            except Exception as exc:  # noqa: BLE001 - any failure of the compile: the steps stay eager
+                ledger.failed = describe_failure(exc)
+            else:
+                ledger.compiled = True
+            finally:
+                ledger.pending = None
+                _responsive(-1)
+
+        ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
+        ledger.pending.start()
 
     def _compile_cost(self, key: Hashable) -> tuple[float, bool]:
         """What ``auto`` takes a compile to cost, and whether that was measured: this runner's first
@@ -324,7 +418,7 @@ class RunnerCache:
             run = self._runners.pop(key, None)
             if run is None:
                 backend = inductor_backend if self.backend == "inductor" else self.backend
-                run = self._timed(key, torch.compile(_fresh(_chunk), fullgraph=True, backend=backend))
+                run = self._timed(key, _lifting(torch.compile(_fresh(_chunk), fullgraph=True, backend=backend)))
             self._runners[key] = run
             while len(self._runners) > self.maxsize:
                 self._runners.popitem(last=False)
@@ -332,6 +426,15 @@ class RunnerCache:
 
     def __len__(self) -> int:
         return len(self._runners)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the compiles running in the background (at most ``timeout`` seconds); ``True``
+        when none is left running."""
+        with self._lock:
+            threads = [led.pending for led in self._ledgers.values() if led.pending is not None]
+        for thread in threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in threads)
 
     def clear(self) -> None:
         with self._lock:
@@ -341,11 +444,34 @@ class RunnerCache:
             self.compile_s.clear()
 
 
-default_cache = RunnerCache()
+default_cache = RunnerCache(background=True)
+
+
+# While a compile runs in the background, the thread that runs the eager steps waits for the GIL
+# after every torch op that released it, up to the interpreter's switch interval (5 ms by default)
+# while Dynamo's tracing, pure Python, holds it: a step of ~30 ops then waited ~150 ms (an MLP
+# chain's eager call went from 2.8 s to 20 s). A short interval while it runs keeps that wait small.
+_SWITCH_INTERVAL_S = 1e-4
+_switch = {"count": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+def _responsive(change: int) -> None:
+    import sys
+
+    with _switch_lock:
+        if change > 0 and _switch["count"] == 0:
+            _switch["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["saved"], _SWITCH_INTERVAL_S))
+        _switch["count"] += change
+        if change < 0 and _switch["count"] == 0 and _switch["saved"] is not None:
+            sys.setswitchinterval(_switch["saved"])
+            _switch["saved"] = None
 
 
 class CompileNotice(UserWarning):
-    """``sample_chain(compile="auto")`` is about to compile a graph: the call waits for it.
+    """``sample_chain(compile="auto")`` is about to compile a graph: in the background while the
+    steps go on eagerly (:class:`RunnerCache`'s default), or now, and the call waits for it.
 
     Said as a warning (once per calling line, Python's default) beside the ``RunPlan`` that
     ``on_plan`` gets, so a compile never stalls a loop unannounced; ``compile=False`` keeps
@@ -364,7 +490,11 @@ def _announce(plan: RunPlan, measured: bool) -> RunPlan:
         frame, level = frame.f_back, level + 1
     cost = (f"a compile took {plan.compile_estimate_s:.3g} s in this process" if measured else
             "a first compile takes tens of seconds on a small CPU (less from Inductor's on-disk cache)")
-    warnings.warn(f"fnebm.sample_chain(compile='auto') compiles this sampler now, and this call waits for it "
-                  f"({plan.reason}; {cost}). Pass compile=False to keep eager steps, or compile=True to compile "
-                  "from the first call.", CompileNotice, stacklevel=level)
+    if plan.background:
+        what = ("compiles this sampler in the background; the steps run eagerly meanwhile and switch to the "
+                "compiled code when it is ready")
+    else:
+        what = "compiles this sampler now, and this call waits for it"
+    warnings.warn(f"fnebm.sample_chain(compile='auto') {what} ({plan.reason}; {cost}). Pass compile=False to keep "
+                  "eager steps, or compile=True to compile from the first call.", CompileNotice, stacklevel=level)
     return plan

@@ -7,7 +7,6 @@ live in a :class:`~fnebm.chain.runner.RunnerCache`, and timing goes to a callbac
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -21,10 +20,12 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.backend import compile_setting, kernel_runner, unavailable_kernel
-from fnebm.chain.loop import loop, position
-from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache, describe_failure
-from fnebm.chain.schedule import chunks, kept_in
+from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, _eager, sync
+from fnebm.chain.loop import needs_grad, position, position_and_energy
+from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
+from fnebm.chain.schedule import kept_in
+from fnebm.kernels import dispatch
+from fnebm.samplers.base import step_fields
 
 __all__ = ["ChainState", "init", "sample_chain"]
 
@@ -76,13 +77,10 @@ def _chain_shape(state: Any, n: int) -> tuple[int, ...]:
 def _check_sampler_state(step: Any, state: Any) -> None:
     """fnebm's own sampler steps (``fnebm.mala(...).step``, ...) get their own state type: a plain
     tensor of positions there is the common slip of passing positions instead of ``vmap(alg.init)``."""
-    func = getattr(step, "func", None)
-    module = getattr(func, "__module__", None)
-    if not isinstance(step, functools.partial) or "energy_fn" not in step.keywords or module not in _STATE_TYPES:
+    fields = step_fields(step)
+    if fields is None:
         return
-    import fnebm.samplers as samplers
-
-    expected = getattr(samplers, _STATE_TYPES[module])
+    expected = fields.state_type
     if isinstance(state, expected):
         return
     got = (f"a tensor of shape {tuple(state.shape)}" if isinstance(state, Tensor) else
@@ -91,10 +89,6 @@ def _check_sampler_state(step: Any, state: Any) -> None:
            if isinstance(state, Tensor) else ": make it with torch.func.vmap(alg.init)(positions)")
     raise TypeError(f"state must be the sampler's {expected.__name__} (fields {', '.join(expected._fields)}), "
                     f"got {got}{fix}")
-
-
-_STATE_TYPES = {"fnebm.samplers.mala": "MALAState", "fnebm.samplers.langevin": "LangevinState",
-                "fnebm.samplers.hmc": "HMCState", "fnebm.samplers.nuts": "NUTSState"}
 
 
 def init(state: Any, key: Tensor, *, chain_ndim: int | None = None) -> ChainState:
@@ -153,28 +147,6 @@ def _check_finite(state: Any) -> None:
             )
 
 
-# With out=, a compiled call's own output stays under this size (glibc reuses freed blocks
-# below its adaptive mmap threshold, 32 MiB at most, instead of mapping fresh pages).
-_SCRATCH_BYTES = 8 * 2**20
-
-# Events up to this many elements are stored chain-innermost while a one-axis batch runs.
-_CHAINS_LAST_MAX_EVENT = 64
-
-
-def _chains_last(state: Any) -> Any:
-    """The same tensors with the chain axis innermost in memory (strides only; shapes unchanged).
-
-    With small events (a 10-D position) every per-step kernel then vectorises over chains,
-    and the random draws of a batch of keys, computed chain-innermost, need no transpose.
-    """
-    leaves, spec = pytree.tree_flatten(state)
-    if any(math.prod(x.shape[1:]) > _CHAINS_LAST_MAX_EVENT for x in leaves):
-        return state
-    return pytree.tree_unflatten(
-        [x.movedim(0, -1).contiguous().movedim(-1, 0) if x.ndim >= 2 else x for x in leaves], spec
-    )
-
-
 def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, Any]:
     """One eager step of every chain: the kept and info trees (as meta tensors).
 
@@ -194,7 +166,7 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
         for _ in range(2):  # the faster of two: one slow step on a busy machine would force a compile
             t0 = time.perf_counter()
             step(chain.state, fr.fold_in(chain.keys, chain.steps_taken))
-            _sync(chain.keys.device)
+            sync(chain.keys.device)
             ledger.record(time.perf_counter() - t0, 1)
     hint = ("sample_chain calls step(state, keys) with the chain axes leading the state and keys (*chains, 2); "
             "wrap a one-chain step with fnebm.vmap_chains(step)")
@@ -220,12 +192,6 @@ def _probe(step, collect, chain: ChainState, n: int, ledger=None) -> tuple[Any, 
     return pytree.tree_map(lambda x: torch.empty_like(x, device="meta"), (kept, info))
 
 
-def _sync(device: torch.device) -> None:
-    # only around eager chunks and the probe, never inside a step: clocks read real time
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
 def _expected(tree: Any, n_kept: int) -> Any:
     return pytree.tree_map(lambda x: torch.empty((n_kept, *x.shape), dtype=x.dtype, device="meta"), tree)
 
@@ -243,11 +209,6 @@ def _check_out(out: Any, expected: Any) -> list[Tensor]:
     return bufs
 
 
-def _eager(step, collect, keys, state, ts):
-    """The eager runner: the same steps as the compiled one, in a Python loop."""
-    return loop(step, collect, keys, state, ts, unroll=True)
-
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -261,12 +222,12 @@ def _outside_fnebm() -> int:
 
 def _fall_back(plan: RunPlan, ledger: Any, reason: str, start: int, on_plan: Callable | None) -> RunPlan:
     """A compile failed and the eager steps ran: remember it, say so once, and tell ``on_plan``."""
-    ledger.failed = reason
+    ledger.failed, ledger.failure_said = reason, True
     warnings.warn(f"fnebm: the compile of this run's step failed ({reason}); the steps from step {start} of this "
                   "call on ran eagerly instead, with the same keys and draws. Later calls with this kind of step "
                   "and shapes run eagerly without compiling again (RunnerCache.clear() forgets this).",
                   CompileFallbackWarning, stacklevel=_outside_fnebm())
-    plan = plan._replace(compiled=False, compiles=False, fallback=reason, revised=True,
+    plan = plan._replace(compiled=False, compiles=False, fallback=reason, revised=True, engine="eager",
                          reason=f"eager from step {start}: the compile failed ({reason})")
     if on_plan is not None:
         on_plan(plan)
@@ -324,18 +285,19 @@ def sample_chain(
             remembered for this kind of step and shapes, so later calls run eagerly at once
             (their plan's ``fallback`` says why). An error the eager steps raise too is raised
             as they raise it.
-        backend: ``"auto"`` (default) runs the chain with a hand-written kernel when one covers
-            it: on a CUDA device the Triton kernel (one launch for all steps,
-            :mod:`fnebm.kernels.langevin_chain`) for ``fnebm.langevin``/``fnebm.mala`` steps on a
-            double well, harmonic, diagonal Gaussian or Rastrigin energy; on the CPU, unless
-            ``compile=False``, the C kernel (:mod:`fnebm.kernels.cpu_chain`, built with the
-            system C compiler on first use) for ``fnebm.langevin``/``fnebm.mala`` steps on a
-            double well, harmonic, Rastrigin or Gaussian energy; each for float32 chains, the default
-            ``collect`` and no gradient through the chain. Otherwise it runs as ``compile``
-            says. ``"triton"`` and ``"c"`` require their kernel and raise ``ValueError`` saying
-            why it does not apply; ``"compiled"`` and ``"eager"`` never use one and mean
-            ``compile=True`` and ``compile=False``. Same keys, same draws on every backend (to
-            float tolerance). ``on_plan`` gets a plan with ``kernel=True``. See docs/kernels.md.
+        backend: which engine runs the chain — the same words for every sampler that has a
+            kernel, ``window_adaptation`` and the command line (the table of what each kernel
+            covers is :data:`fnebm.kernels.dispatch.FAST_PATHS`; docs/internals.md):
+            ``"auto"`` (default) takes a hand-written kernel where one covers the run (a
+            whole-chain Triton kernel on CUDA, a whole-chain C kernel on the CPU for
+            ``fnebm.langevin``/``fnebm.mala`` on the analytic families; NUTS's transition in C on
+            the CPU) and the torch engine otherwise; ``on_plan``'s plan names the engine
+            (``plan.engine``) and each kernel it passed over with why (``plan.skipped``).
+            ``"triton"`` and ``"c"`` require their kernel and raise ``ValueError`` naming the first
+            reason it does not apply; ``"torch"`` never uses one (then ``compile`` chooses
+            compiled or eager). ``compile`` only concerns the torch engine. Same keys, same draws
+            on every engine (to float tolerance). ``"compiled"`` and ``"eager"`` (earlier
+            releases) mean ``backend="torch"`` with ``compile=True`` / ``False``.
         progress: a tqdm bar on stderr; ``None`` shows one when stderr is a terminal.
         chain_ndim: leading chain axes of ``state`` (default 1 with one key, ``key.ndim - 1``
             with per-chain keys; 0 for one chain).
@@ -372,7 +334,7 @@ def sample_chain(
         _checks.check_callable("on_chunk", on_chunk, "on_chunk(steps_done, steps_total, seconds)")
     if on_plan is not None:
         _checks.check_callable("on_plan", on_plan, "on_plan(plan: RunPlan)")
-    compile = compile_setting(backend, compile)
+    dispatch.check_backend(backend)
     if compile not in (True, False, "auto"):
         raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
     if isinstance(state, ChainState):
@@ -396,97 +358,122 @@ def sample_chain(
     if len(devices) > 1 or chain.keys.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
     _check_values(chain.keys, chain.state)
-    kernel = kernel_runner(step, chain, n_steps, burn_in=burn_in, thin=thin, collect=collect, backend=backend,
-                           compile=compile)
-    if kernel is not None:
+    req = dispatch.RunRequest(step, chain.state, chain.keys, chain.steps_taken, _COLLECTS.get(collect),
+                              needs_grad(step, chain.state))
+    decision = dispatch.choose(req, backend, compile)
+    step, compile = decision.step, decision.compile
+    if compile not in (True, False, "auto"):
+        raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
+    total = burn_in + n_steps
+    n_kept = n_steps // thin
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    if decision.engine != "torch":
         if on_plan is not None:
-            what = "C kernel (CPU)" if kernel.engine == "c" else "Triton kernel"
-            on_plan(RunPlan(False, False, f"backend={backend!r}: the whole-chain {what}", None, 0.0,
-                            burn_in + n_steps, kernel=True))
-        return kernel(out=out, chunk_size=chunk_size, progress=progress, on_chunk=on_chunk)
+            where = "C kernel (CPU)" if decision.engine == "c" else "Triton kernel"
+            on_plan(RunPlan(False, False, f"backend={backend!r}: the whole-chain {where}", None, 0.0, total,
+                            kernel=True, engine=decision.engine, skipped=decision.skipped))
+        engine = KernelEngine(decision.path, step, chain, n_kept, burn_in, thin,
+                              collect is position_and_energy, out)
+        if chunk_size is None:
+            chunk_size = -(-total // 20) if show else total  # one launch unless a bar shows
+    else:
+        engine = _torch_engine(step, collect, chain, n, n_kept, thin, total, compile, out, on_chunk, on_plan,
+                               cache, decision)
+        if chunk_size is None:
+            chunk_size = _torch_chunk_size(engine, show, out is not None, total, n_kept)
+    _drive(engine, total, burn_in, thin, n_kept, chunk_size, show, on_chunk, chain.keys.device)
+    final, trace, info = engine.finish()
+    return ChainState(final, chain.keys, chain.steps_taken + total), trace, info
 
+
+# the collects a whole-chain kernel can write, by name (fnebm.kernels.dispatch's vocabulary)
+_COLLECTS = {position: "position", position_and_energy: "position_and_energy"}
+
+
+def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: int, total: int, compile: Any,
+                  out: Any, on_chunk: Callable | None, on_plan: Callable | None, cache: RunnerCache | None,
+                  decision: dispatch.Decision) -> TorchEngine:
+    """The torch engine for this call: the probe, the output checks, and compiled or eager (``plan``)."""
     cache = default_cache if cache is None else cache
+    leaves = pytree.tree_leaves(chain.state)
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)
     shapes = tuple((x.shape, x.dtype, x.device) for x in leaves)
     ledger = cache.ledger(runner_key, shapes)
     timed = ledger if compile == "auto" and not ledger.compiled and ledger.eager_steps == 0 else None
     probed = cache.probe(runner_key, shapes, lambda: _probe(step, collect, chain, n, timed))
-    n_kept = n_steps // thin
     expected = _expected(probed, n_kept)
     bufs = None if out is None else _check_out(out, expected)
-    out_spec = pytree.tree_structure(expected)
-    total = burn_in + n_steps
     plan = cache.plan(runner_key, shapes, total, compile)
+    plan = plan._replace(engine="compiled" if plan.compiled else "eager", skipped=decision.skipped,
+                         transition=decision.transition or "")
+    if decision.transition:
+        sampler = step_fields(step).sampler
+        plan = plan._replace(reason=f"{plan.reason}; each {sampler} transition in the "
+                                    f"{dispatch.NAMES[decision.transition]} kernel")
     if on_plan is not None:
-        missed = unavailable_kernel(step, chain, collect, backend, compile)  # a C kernel that could not build
-        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed}"))
+        missed = decision.unavailable  # a C kernel that covers the run could not build or load
+        on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
+    if ledger.failed is not None and not ledger.failure_said:  # a background compile failed since the last call
+        _fall_back(plan, ledger, ledger.failed, 0, None)
     run = cache.get(runner_key) if plan.compiled else _eager
+    engine = TorchEngine(step, collect, chain, n, plan, run, ledger, expected, bufs, n_kept, thin,
+                         record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back,
+                         compiled=cache.get(runner_key) if plan.background else None,
+                         background_failed=lambda p, led, a: _fall_back(p, led, led.failed, a, None)._replace(
+                             background=False))
+    if plan.background and ledger.pending is None:
+        # two steps from the run's start, in the layout the compiled calls will see: only the graph is kept
+        ts = chain.steps_taken + torch.arange(2, device=chain.keys.device)
+        torch._dynamo.mark_dynamic(ts, 0)
+        cache.compile_in_background(runner_key, shapes, (step, collect, chain.keys, engine.state, ts))
+    engine.per_step_bytes = sum(x.numel() * x.element_size() for x in pytree.tree_leaves(probed))
+    return engine
 
-    show = sys.stderr.isatty() if progress is None else bool(progress)
-    if chunk_size is None:
-        if show:
-            chunk_size = -(-total // 20)
-        elif out is not None:
-            # A compiled call returns every step's draws in a fresh buffer. With your own
-            # trace buffers, keep that scratch under _SCRATCH_BYTES per call: the allocator
-            # then recycles it from call to call instead of touching new pages each time.
-            per_step = sum(x.numel() * x.element_size() for x in pytree.tree_leaves(probed))
-            chunk_size = max(2, min(total, _SCRATCH_BYTES // max(per_step, 1)))
-        else:
-            # chunks of n_kept steps (at least 256) keep the scratch near the trace's size
-            chunk_size = max(n_kept, min(total, 256))
+
+UNAVAILABLE = dispatch.UNAVAILABLE  # in a plan's reason, with the library's reason
+
+
+def _torch_chunk_size(engine: TorchEngine, show: bool, with_out: bool, total: int, n_kept: int) -> int:
+    if show:
+        return -(-total // 20)
+    if with_out:
+        # A compiled call returns every step's draws in a fresh buffer. With your own trace
+        # buffers, keep that scratch under _SCRATCH_BYTES per call: the allocator then recycles
+        # it from call to call instead of touching new pages each time.
+        return max(2, min(total, _SCRATCH_BYTES // max(engine.per_step_bytes, 1)))
+    # chunks of n_kept steps (at least 256) keep the scratch near the trace's size
+    return max(n_kept, min(total, 256))
+
+
+def _drive(engine: Any, total: int, burn_in: int, thin: int, n_kept: int, chunk_size: int, show: bool,
+           on_chunk: Callable | None, device: torch.device) -> None:
+    """The run loop of every engine: chunks, the draws each keeps, progress and ``on_chunk``.
+
+    ``engine.chunk(a, b, kept)`` runs steps ``[a, b)`` and writes the kept draws; chunk sizes come
+    from the engine (fixed, or the C kernel's timed launches). A lone last step joins the chunk
+    before it unless the engine takes any size (one compiled graph serves every chunk length)."""
     bar = None
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, unit="step", desc="sampling", file=sys.stderr)
-    run_state = _chains_last(chain.state) if n == 1 else chain.state
-    device = chain.keys.device
+        bar = tqdm(total=total, unit="step", desc="sampling" if engine.name == "torch" else f"sampling ({engine.name})",
+                   file=sys.stderr)
+    size = engine.first_size(chunk_size)
+    a = 0
     try:
-        for a, b in chunks(total, chunk_size):
+        while a < total:
+            b = min(total, a + size)
+            if total - b == 1 and not engine.exact_sizes:  # as fnebm.chain.schedule.chunks: no lone last step
+                b = total
             t0 = time.perf_counter()
-            ts = chain.steps_taken + torch.arange(a, b, device=device)
-            if plan.compiled and b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
-                torch._dynamo.mark_dynamic(ts, 0)
-            if plan.compiled:
-                failed = None
-                try:
-                    ran = run(step, collect, chain.keys, run_state, ts)
-                except Exception as exc:  # noqa: BLE001 - a failed compile, or an error the eager steps raise too
-                    failed = describe_failure(exc)
-                if failed is None:
-                    ledger.compiled = True
-                else:
-                    # the same chunk from the same inputs (the compiled call is pure: nothing moved),
-                    # eagerly; an error of the step itself is raised here, as eager code raises it
-                    ran = _eager(step, collect, chain.keys, run_state, ts)
-                    plan, run = _fall_back(plan, ledger, failed, a, on_plan), _eager
-            else:
-                ran = run(step, collect, chain.keys, run_state, ts)
-            run_state, kept, info = ran
-            if not plan.compiled and (compile == "auto" or on_chunk is not None):
-                _sync(device)
-                ledger.record(time.perf_counter() - t0, b - a)
+            engine.chunk(a, b, kept_in(a, b, burn_in, thin, n_kept))
+            size = engine.next_size(b - a, time.perf_counter() - t0, chunk_size)
             if on_chunk is not None:
-                _sync(device)
+                sync(device)
                 on_chunk(b, total, time.perf_counter() - t0)
             if bar is not None:
                 bar.update(b - a)
-            k = kept_in(a, b, burn_in, thin, n_kept)
-            if k is None:
-                continue
-            outs = pytree.tree_leaves((kept, info))
-            if bufs is None and (k.lo, k.hi, k.j0, k.j1, thin) == (0, b - a, 0, n_kept, 1):
-                bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
-                continue
-            if bufs is None:  # allocated once, filled chunk by chunk
-                # torch.empty, not empty_like: the meta tensors' layout rules load sympy (0.5 s)
-                bufs = [torch.empty(w.shape, dtype=w.dtype, device=device) for w in pytree.tree_leaves(expected)]
-            for buf, x in zip(bufs, outs):
-                buf[k.j0 : k.j1].copy_(x[k.lo : k.hi : thin])
+            a = b
     finally:
         if bar is not None:
             bar.close()
-    final = pytree.tree_map(lambda x: x.contiguous(), run_state)
-    trace, info = pytree.tree_unflatten(bufs, out_spec)
-    return ChainState(final, chain.keys, chain.steps_taken + total), trace, info

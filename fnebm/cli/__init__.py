@@ -19,9 +19,14 @@ import fnebm
 from fnebm.cli._common import (PROG, RunError, UsageError, _one_line, _Parser, is_out_of_memory, launched,
                                launched_rank, write_atomic)
 from fnebm.cli.presets import DEMO, DEMO_PLOT, DTYPES, ENERGIES, SAMPLERS, EnergySpec, demo_command
-from fnebm.cli.sample import _add_run_options, _chunk_size, _sample, format_summary, plot
-from fnebm.cli.train import (TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options, _train, mlp_energy,
-                             mlp_init)
+from fnebm.cli.options import _add_run_options
+from fnebm.cli.plotting import plot
+from fnebm.cli.report import format_summary
+from fnebm.cli.run import _chunk_size
+from fnebm.cli.sample import _sample
+from fnebm.cli.train import _train
+from fnebm.cli.train_model import mlp_energy, mlp_init
+from fnebm.cli.train_options import TRAIN_DEFAULTS, TRAIN_LOSSES, TRAIN_SAMPLERS, _add_train_options
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+from torch import Tensor
 
 PROG = "fnebm"
 
@@ -106,6 +107,11 @@ def _float_or_none(x: Any) -> float | None:
 def _fmt(x: float | None, spec: str = ".3g", missing: str = "n/a (needs >= 4 kept draws)") -> str:
     return missing if x is None else format(x, spec)
 
+
+
+def format_rows(rows: list[tuple[str, str]]) -> list[str]:
+    """A summary's ``(name, value)`` rows as aligned lines, as every command prints them."""
+    return [f"{k:<12} {v}" for k, v in rows]
 
 
 def _umask() -> int:
@@ -413,3 +419,27 @@ def agree(where: Launch, check: Callable[[], Any]) -> Any:
         print(f"{PROG}: error: {error if r == 0 else f'rank {r}: {error}'}", file=sys.stderr, flush=True)
     dist.barrier()  # the other ranks exit once rank 0 has printed
     raise SystemExit(2)
+
+
+# ------------------------------------------------------------- figures of 2-D samples (train)
+
+
+def _box(data: Tensor) -> tuple[Tensor, Tensor]:
+    lo, hi = data.min(0).values, data.max(0).values
+    pad = 0.05 * (hi - lo) + 0.25
+    return lo - pad, hi + pad
+
+
+def mmd2(x: Tensor, y: Tensor, scales: tuple[float, ...] = (0.1, 0.3, 1.0)) -> float:
+    """Unbiased squared MMD between samples ``x`` and ``y`` with a sum of Gaussian kernels of the given widths."""
+    x, y = x.double(), y.double()
+
+    def k(a: Tensor, b: Tensor) -> Tensor:
+        d2 = torch.cdist(a, b).square()
+        return sum(torch.exp(-0.5 * d2 / s**2) for s in scales)
+
+    n, m = x.shape[0], y.shape[0]
+    kxx, kyy = k(x, x), k(y, y)
+    sxx = (kxx.sum() - kxx.diagonal().sum()) / (n * (n - 1))
+    syy = (kyy.sum() - kyy.diagonal().sum()) / (m * (m - 1))
+    return float(sxx + syy - 2 * k(x, y).mean())

@@ -11,7 +11,8 @@ decay, checkpoints and ``--resume``), with another model and another evaluation:
   ``lambda = 4``), the field evaluating the whole batch in one call (``bind_field(...,
   batched=True)``);
 - the model samples: flow matching integrates ``dx/dt = v(x, t)`` from ``N(0, I)`` at ``t = 0``
-  to ``t = 1`` by ``--sample-steps`` Euler steps; EqM descends its field from ``N(0, I)`` by
+  to ``t = 1`` by ``--sample-steps`` Euler steps (:func:`fnebm.samplers.flow_sample`, a fixed grid of
+  :data:`fnebm.integrators.ode.euler`); EqM descends its field from ``N(0, I)`` by
   ``--sample-steps`` steps of :func:`fnebm.eqm` (step ``--step-size``, Nesterov momentum
   ``EQM_MOMENTUM``). Neither model has a density on a grid: no KL, the MMD² to the data only;
 - the plot: the data, the learned field (arrows of ``v(x, 0.5)``, or of ``-f(x)``, the
@@ -20,6 +21,7 @@ decay, checkpoints and ``--resume``), with another model and another evaluation:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, BinaryIO, Callable
 
@@ -80,10 +82,11 @@ def model_samples(cfg: Any, params: dict[str, Tensor], key: Tensor, n: int) -> T
 
     x = fr.normal(key, (n, 2), DTYPES[cfg.dtype])
     steps = cfg.sample_steps
-    if cfg.loss == "flow":
-        for i in range(steps):
-            t = torch.full((n,), i / steps, dtype=x.dtype, device=x.device)
-            x = x + mlp_field(params, x, t) / steps
+    if cfg.loss == "flow":  # the library's flow sampler: a fixed Euler grid of `steps` steps (one scan)
+        from fnebm.integrators import ode
+
+        x, _ = fnebm.samplers.flow_sample(functools.partial(mlp_field, params), key, x.shape, method=ode.euler,
+                                          steps=steps, x0=x, dtype=x.dtype)
         return x
     alg = fnebm.eqm(_one(params), cfg.step_size, EQM_MOMENTUM)
     state = torch.func.vmap(alg.init)(x)
@@ -98,8 +101,6 @@ def _field_one(params: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _one(params: dict[str, Tensor]) -> Callable[[Tensor], Tensor]:
-    import functools
-
     return functools.partial(_field_one, params)
 
 
@@ -107,7 +108,8 @@ def evaluate(cfg: Any, params: dict[str, Tensor]) -> dict[str, Any]:
     """:func:`fnebm.cli.train.evaluate`'s figures for a field: ``mmd2`` (no density: ``kl`` is None)
     and what the plot draws (the field on a FIELD_GRID x FIELD_GRID grid)."""
     from fnebm import datasets
-    from fnebm.cli.train import EVAL_POINTS, SAMPLE_CHAINS, _box, mmd2
+    from fnebm.cli.train_options import EVAL_POINTS, SAMPLE_CHAINS
+    from fnebm.cli._common import _box, mmd2
 
     device = torch.device(cfg.device)
     k_eval = fr.split(fr.key(cfg.seed, device=device), 4)[3]
@@ -136,7 +138,7 @@ def plot(f: BinaryIO, cfg: Any, ev: dict[str, Any], summary: dict[str, Any]) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from fnebm.cli.train import SAMPLE_CHAINS
+    from fnebm.cli.train_options import SAMPLE_CHAINS
 
     fig = Figure(figsize=(15, 5), layout="constrained")
     FigureCanvasAgg(fig)

@@ -15,6 +15,7 @@ import fnebm
 from fnebm import energies as E
 from fnebm.adaptation.window import default_num_integration_steps
 from fnebm.chain import position_and_energy
+from fnebm.cli import plan as dispatch
 
 
 class Truth(NamedTuple):
@@ -46,7 +47,7 @@ class EnergySpec(NamedTuple):
     multimodal: chains may sit in separate modes and never cross; ``mixing`` says what R-hat
         means then (docs/cli.md, the summary's note).
     ramp: the burn-in starts at smaller steps (walls so steep that a full step from a start in
-        N(0, I)'s tails overshoots: see ``fnebm.cli.sample._ramp``).
+        N(0, I)'s tails overshoots: see ``fnebm.cli.run._ramp``).
     truth: ``truth(energy, dim) -> Truth`` where the moments are known exactly.
     param_bytes: memory the energy's parameters take at ``dim`` (for the estimate before a run).
     """
@@ -212,16 +213,16 @@ def default_steps(energy: str, dim: int, sampler: str = "mala") -> int:
 # the position and the energy of each kept step: fnebm.chain.position_and_energy, which the CPU's
 # whole-chain kernel writes itself (so `fnebm sample` with Langevin or MALA on a double well,
 # harmonic, rastrigin or gaussian runs in it)
+# dispatch: the families named here restate the C kernel's coverage
 _collect = position_and_energy
 
 
-def _extra(sampler: str, dim: int, compiled: bool = False) -> dict[str, Any]:
+def _extra(sampler: str, dim: int, compiled: bool = False, backend: str = "auto") -> dict[str, Any]:
     """The sampler's arguments beyond the step size: HMC's trajectory, ``ceil(sqrt(dim))`` steps;
-    with ``--compile`` (``compiled``), NUTS's torch kernel rather than its C kernel (the flag asks
-    for torch.compile's code, as it does of ``sample_chain``)."""
+    NUTS's backend (:func:`fnebm.cli.plan.sampler_backend`)."""
     if sampler == "hmc":
         return {"num_integration_steps": default_num_integration_steps(dim)}
-    return {"backend": "torch"} if sampler == "nuts" and compiled else {}
+    return dispatch.sampler_backend(sampler, compiled, backend)
 
 
 def _algorithm(target: Any, sampler: str, step_size: float, dim: int, parameters: dict | None = None,

@@ -16,8 +16,8 @@ same keys.
 * :mod:`fnebm.kernels.cpu_nuts` — one NUTS transition of every chain in C (``_cpu_nuts.c``).
 
 The Triton kernels and ops need triton (``HAS_TRITON``).
-``fnebm.sample_chain(..., backend=)`` (:mod:`fnebm.chain.backend`) dispatches to the whole-chain
-kernels; see docs/kernels.md for the rules.
+``fnebm.sample_chain(..., backend=)`` dispatches to the kernels (:mod:`fnebm.kernels.dispatch`, the
+table of fast paths); see docs/kernels.md for the rules.
 """
 
 import importlib as _importlib

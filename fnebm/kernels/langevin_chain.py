@@ -560,7 +560,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
              first: int, thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
     """The launch without the op, writing the kept draws into ``outputs = (trace, *info)``.
 
-    For :mod:`fnebm.chain.backend`, which runs a :func:`fnebm.sample_chain` call in launches of a
+    For :mod:`fnebm.chain.engines`, which runs a :func:`fnebm.sample_chain` call in launches of a
     chunk each and fills the run's own (or the caller's ``out=``) buffers in place: ``trace
     (draws, *chains, d)`` and the info ``(draws, *chains)`` (MALA: acceptance rate, is_accepted,
     is_divergent; Langevin: is_divergent), contiguous. Steps ``0 .. n_total - 1`` of the launch

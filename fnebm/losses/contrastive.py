@@ -34,9 +34,9 @@ from torch.utils import _pytree as pytree
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.loop import run
+from fnebm._loop import run
 from fnebm.losses import _common
-from fnebm.samplers import HMCState, LangevinState, MALAState, NUTSState
+from fnebm.samplers.base import step_fields
 from fnebm.samplers.langevin import langevin
 
 __all__ = [
@@ -97,9 +97,14 @@ class PCDAux(NamedTuple):
 
 torch.serialization.add_safe_globals([PCDState])
 
-# fnebm's sampler states whose ``energy`` is exactly ``E(position)``, computed by the sampler's
-# ``init`` through the energy it was given (samplers.base.init_position_state)
-_CACHES_ENERGY = (LangevinState, MALAState, HMCState, NUTSState)
+
+
+def _caches_energy(alg: Any, state: Any) -> bool:
+    """Whether ``state`` (from ``alg.init``) holds ``energy = E(position)``, computed by the sampler's
+    ``init`` through the energy it was given: an fnebm sampler ``Step`` (it says so by its fields)
+    whose state type has an ``energy`` field (samplers.base.init_position_state)."""
+    fields = step_fields(alg.step)
+    return fields is not None and isinstance(state, fields.state_type) and "energy" in fields.state_type._fields
 
 
 # ------------------------------------------------------------------------------- checks
@@ -298,8 +303,9 @@ def contrastive_divergence(
         # dE/dx): run under the live parameters, that E is the loss's E(x⁺), with its parameter
         # gradient, so the positives' forward pass runs once. Detached, the state is the one
         # `frozen` would give, to the bit.
-        start = init_chains(model, batch, sampler)
-        if isinstance(start, _CACHES_ENERGY):
+        alg = _algorithm(sampler, model)
+        start = torch.func.vmap(alg.init)(batch)  # init_chains, keeping alg
+        if _caches_energy(alg, start):
             e_pos = start.energy
         start = _common.stop_gradient(start)
     else:

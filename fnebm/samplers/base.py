@@ -6,7 +6,9 @@ A sampler lives in three layers (BlackJAX's shape):
   ``torch.func.vmap``);
 * ``build_kernel() -> kernel``, a pure ``kernel(state, key, energy_fn, *tunables) -> (state, info)``;
 * the constructor, e.g. ``mala(energy_fn, step_size) -> SamplingAlgorithm(init, step)``, which
-  only closes over its arguments (``step`` is a ``functools.partial`` of the kernel).
+  only closes over its arguments: ``step`` is a :class:`Step`, the kernel with its energy and
+  tunables bound and named, so code that dispatches on a step (``fnebm.kernels.dispatch``) reads
+  fields (``step.sampler``, ``step.energy_fn``, ``step.tunables``) instead of taking it apart.
 
 **Batching is explicit.** Every fnebm kernel takes a state whose fields lead with the chain
 axes and keys ``(*chains, 2)``; the number of chain axes is ``key.ndim - 1`` (0 for one chain).
@@ -31,6 +33,7 @@ from fnebm.gradients import value_and_grad
 
 __all__ = [
     "SamplingAlgorithm",
+    "Step",
     "vmap_chains",
     "over_batch",
     "event_sum",
@@ -50,6 +53,81 @@ class SamplingAlgorithm(NamedTuple):
 
     init: Callable[[Tensor], Any]
     step: Callable[[Any, Tensor], tuple[Any, Any]]
+
+
+class Step(functools.partial):
+    """A sampler's batched step, ``step(state, keys) -> (state, info)``, with its parts named.
+
+    A :class:`functools.partial` of the sampler's kernel (so ``torch.compile``, ``vmap`` and the
+    compiled runner's cache treat it exactly as they treat a partial: the tensors it holds are
+    graph inputs, its Python constants are specialised on) that also says what it is:
+
+    * ``sampler``: the algorithm's name (``"langevin"``, ``"mala"``, ``"hmc"``, ``"nuts"``, ...);
+    * ``state_type`` / ``info_type``: the ``NamedTuple`` types of its state and info;
+    * ``energy_fn``: the energy it targets; ``tunables``: its tensor tunables by name (step size,
+      noise scale, mass matrix); ``options``: its other, static arguments (integrator, backend);
+    * ``replace(**changes)``: the same step with some arguments changed.
+
+    Make one with :meth:`of` (inside a ``torch.compile`` region it gives a plain partial: there a
+    step is only called). A step wrapped in anything else (``vmap_chains``, a user's own
+    partial or lambda) is opaque: dispatch then falls back to the torch path and says so.
+    """
+
+    __slots__ = ()  # the partial's own __dict__ holds sampler, state_type, info_type, tunable names
+
+    @classmethod
+    def of(cls, sampler: str, kernel: Callable, *args: Any, state_type: type, info_type: type,
+           tunables: tuple[str, ...], **keywords: Any) -> "Step":
+        """``kernel(state, key, *args, **keywords)`` as the step of ``sampler``; ``tunables`` names
+        the keywords that are tensor tunables (the rest, other than ``energy_fn``, are options)."""
+        if torch.compiler.is_compiling():
+            # built inside a user's compiled function (Dynamo constructs partials, not subclasses):
+            # there the step is only called, never dispatched on
+            return functools.partial(kernel, *args, **keywords)
+        step = cls(kernel, *args, **keywords)
+        step.__dict__.update(sampler=sampler, state_type=state_type, info_type=info_type,
+                             tunable_names=tuple(tunables))
+        return step
+
+    @property
+    def energy_fn(self) -> Any:
+        return self.keywords.get("energy_fn")
+
+    @property
+    def tunables(self) -> dict[str, Any]:
+        return {k: self.keywords[k] for k in self.__dict__.get("tunable_names", ()) if k in self.keywords}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        skip = {"energy_fn", *self.__dict__.get("tunable_names", ())}
+        return {k: v for k, v in self.keywords.items() if k not in skip}
+
+    def replace(self, **changes: Any) -> "Step":
+        """This step with the keyword arguments in ``changes`` replaced (its fields kept)."""
+        unknown = set(changes) - set(self.keywords)
+        if unknown:
+            raise TypeError(f"{self.__dict__.get('sampler', 'this')} step has no argument(s) {sorted(unknown)}; "
+                            f"it has {sorted(self.keywords)}")
+        step = type(self)(self.func, *self.args, **{**self.keywords, **changes})
+        step.__dict__.update(self.__dict__)
+        return step
+
+    def __repr__(self) -> str:
+        sampler = self.__dict__.get("sampler", "?")
+        parts = [f"energy_fn={self.energy_fn!r}"] + [f"{k}={_short(v)}" for k, v in self.tunables.items()]
+        parts += [f"{k}={_short(v)}" for k, v in self.options.items()]
+        return f"Step[{sampler}]({', '.join(parts)})"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor{tuple(value.shape)}" if value.ndim else f"tensor({value.item():g})"
+    return repr(value)
+
+
+def step_fields(step: Any) -> Step | None:
+    """``step`` when it is a sampler's :class:`Step` that says what it is, else ``None`` (opaque)."""
+    return step if isinstance(step, Step) and "sampler" in step.__dict__ else None
 
 
 class KernelCache:

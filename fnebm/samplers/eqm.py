@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from fnebm import _checks
-from fnebm.samplers.base import SamplingAlgorithm, all_finite, over_batch, per_chain
+from fnebm.samplers.base import SamplingAlgorithm, Step, all_finite, over_batch, per_chain
 from fnebm.samplers.proposal import select
 
 __all__ = ["EqMState", "EqMInfo", "init", "build_kernel", "eqm", "energy_field"]
@@ -112,4 +112,6 @@ def eqm(field: Callable[[Tensor], Tensor], step_size: float | Tensor, momentum: 
     momentum = _checks.tunable("momentum", momentum, allow_zero=True)
     if _checks.is_concrete(momentum) and not bool((momentum < 1).all()):
         raise ValueError("momentum must be in [0, 1)")
-    return SamplingAlgorithm(init, functools.partial(_kernel, field=field, step_size=step_size, momentum=momentum))
+    return SamplingAlgorithm(init, Step.of("eqm", _kernel, state_type=EqMState, info_type=EqMInfo,
+                                           tunables=("step_size", "momentum"), field=field, step_size=step_size,
+                                           momentum=momentum))

@@ -19,6 +19,7 @@ from fnebm._control import while_loop
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean
 from fnebm.integrators.symplectic import IntegratorState, integrate, velocity_verlet
 from fnebm.samplers.base import (
+    Step,
     KernelCache,
     SamplingAlgorithm,
     chain_axes,
@@ -219,11 +220,12 @@ def hmc(
     kernel = _kernel_for(coefficients, threshold)
     extra = dict(num_integration_steps=num_integration_steps, step_size_jitter=step_size_jitter,
                  trajectory_jitter=trajectory_jitter)
+    fields = dict(state_type=HMCState, info_type=HMCInfo, energy_fn=energy_fn, step_size=step_size, **extra)
     if inverse_mass_matrix is None:
-        step = functools.partial(_identity_metric, kernel, energy_fn=energy_fn, step_size=step_size, **extra)
+        step = Step.of("hmc", _identity_metric, kernel, tunables=("step_size", "step_size_jitter"), **fields)
     else:
-        step = functools.partial(kernel, energy_fn=energy_fn, step_size=step_size,
-                                 inverse_mass_matrix=inverse_mass_matrix, **extra)
+        step = Step.of("hmc", kernel, tunables=("step_size", "inverse_mass_matrix", "step_size_jitter"),
+                       inverse_mass_matrix=inverse_mass_matrix, **fields)
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 

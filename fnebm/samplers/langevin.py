@@ -17,6 +17,7 @@ from fnebm import random as fr
 from fnebm.gradients import value_and_grad
 from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.samplers.base import (
+    Step,
     SamplingAlgorithm,
     chain_axes,
     check_energy,
@@ -96,5 +97,7 @@ def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor,
     noise_scale = _checks.tunable("noise_scale", noise_scale, allow_zero=True)
     return SamplingAlgorithm(
         functools.partial(init, energy_fn=energy_fn),
-        functools.partial(_kernel, energy_fn=energy_fn, step_size=step_size, noise_scale=noise_scale),
+        Step.of("langevin", _kernel, state_type=LangevinState, info_type=LangevinInfo,
+                tunables=("step_size", "noise_scale"), energy_fn=energy_fn, step_size=step_size,
+                noise_scale=noise_scale),
     )

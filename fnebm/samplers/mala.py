@@ -17,6 +17,7 @@ from fnebm import _checks
 from fnebm import random as fr
 from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.samplers.base import (
+    Step,
     SamplingAlgorithm,
     chain_axes,
     check_energy,
@@ -120,5 +121,6 @@ def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor) -> Sa
     step_size = _checks.tunable("step_size", step_size)
     return SamplingAlgorithm(
         functools.partial(init, energy_fn=energy_fn),
-        functools.partial(_kernel, energy_fn=energy_fn, step_size=step_size),
+        Step.of("mala", _kernel, state_type=MALAState, info_type=MALAInfo, tunables=("step_size",),
+                energy_fn=energy_fn, step_size=step_size),
     )

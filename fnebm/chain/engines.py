@@ -1,0 +1,283 @@
+"""The engines :func:`fnebm.sample_chain` drives: each runs "this chunk of steps, keeping these
+draws in these buffers", so the one run loop in :mod:`fnebm.chain.sample` owns chunking,
+thinning, progress, ``out=`` and continuation for all of them.
+
+* :class:`TorchEngine` — the sampler's own step, through the compiled runner or eagerly (the
+  compile decision, its fallback and ``auto``'s ledger live here);
+* :class:`KernelEngine` — a hand-written whole-chain kernel (``run_into`` of the module a
+  :class:`fnebm.kernels.dispatch.FastPath` names: Triton on CUDA, C on the CPU).
+
+Which engine runs is decided by :func:`fnebm.kernels.dispatch.choose`, from one table.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fnebm import random as fr
+from fnebm.chain.loop import loop
+from fnebm.chain.runner import RunPlan, describe_failure
+from fnebm.chain.schedule import Kept
+from fnebm.kernels import dispatch
+
+__all__ = ["TorchEngine", "KernelEngine", "sync"]
+
+
+def sync(device: torch.device) -> None:
+    # only around chunks and the probe, never inside a step: clocks read real time
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _eager(step, collect, keys, state, ts):
+    """The eager runner: the same steps as the compiled one, in a Python loop."""
+    return loop(step, collect, keys, state, ts, unroll=True)
+
+
+# While a compile runs in the background, eager chunks last about this long (the switch waits for a chunk's end)
+_BACKGROUND_CHUNK_S = 0.5
+
+# With out=, a compiled call's own output stays under this size (glibc reuses freed blocks
+# below its adaptive mmap threshold, 32 MiB at most, instead of mapping fresh pages).
+_SCRATCH_BYTES = 8 * 2**20
+
+# Events up to this many elements are stored chain-innermost while a one-axis batch runs.
+_CHAINS_LAST_MAX_EVENT = 64
+
+
+def _chains_last(state: Any) -> Any:
+    """The same tensors with the chain axis innermost in memory (strides only; shapes unchanged).
+
+    With small events (a 10-D position) every per-step kernel then vectorises over chains,
+    and the random draws of a batch of keys, computed chain-innermost, need no transpose.
+    """
+    leaves, spec = pytree.tree_flatten(state)
+    if any(math.prod(x.shape[1:]) > _CHAINS_LAST_MAX_EVENT for x in leaves):
+        return state
+    return pytree.tree_unflatten(
+        [x.movedim(0, -1).contiguous().movedim(-1, 0) if x.ndim >= 2 else x for x in leaves], spec
+    )
+
+
+class TorchEngine:
+    """The sampler's step, compiled or eager as ``plan`` says; kept draws copied into the buffers.
+
+    ``expected``: the ``(trace, info)`` tree of meta tensors ``(n_kept, ...)``; ``bufs``: the
+    caller's ``out`` leaves, or ``None`` (allocated at the first kept draw, or the output of a
+    call that covers the whole trace taken as it is).
+    """
+
+    name = "torch"
+    exact_sizes = False  # a lone last step joins the chunk before it (one graph for every length)
+
+    def __init__(self, step, collect, chain, n_chain_axes: int, plan: RunPlan, run: Callable, ledger: Any,
+                 expected: Any, bufs: list[Tensor] | None, n_kept: int, thin: int, record: bool,
+                 on_plan: Callable | None, fall_back: Callable, compiled: Callable | None = None,
+                 background_failed: Callable | None = None):
+        self.step, self.collect, self.keys, self.start = step, collect, chain.keys, chain.steps_taken
+        self.plan, self.run, self.ledger, self.record = plan, run, ledger, record
+        # while a compile runs in the background: the compiled runner once it is ready, and what
+        # to do should it fail
+        self.compiled, self.background_failed = compiled, background_failed
+        self.expected, self.bufs, self.n_kept, self.thin = expected, bufs, n_kept, thin
+        self.on_plan, self.fall_back = on_plan, fall_back
+        self.state = _chains_last(chain.state) if n_chain_axes == 1 else chain.state
+        self.device = chain.keys.device
+
+    def first_size(self, chunk_size: int) -> int:
+        per = self.ledger.step_s()
+        if self.plan.background and per:
+            return max(2, min(chunk_size, int(_BACKGROUND_CHUNK_S / per)))
+        return max(chunk_size, 2)
+
+    def next_size(self, steps: int, seconds: float, chunk_size: int) -> int:
+        if self.plan.background and seconds > 0:
+            # eager chunks of about _BACKGROUND_CHUNK_S while the compile runs: it is looked for between chunks
+            return max(2, min(chunk_size, int(_BACKGROUND_CHUNK_S * steps / seconds)))
+        return max(chunk_size, 2)
+
+    def _look_for_the_compile(self, a: int) -> None:
+        """Between chunks, while a compile runs in the background: switch to it once it is ready."""
+        if self.ledger.compiled:
+            self.plan = self.plan._replace(compiled=True, background=False, revised=True, engine="compiled",
+                                           reason=f"compiled from step {a} of this call on: the compile that ran "
+                                                  "in the background is ready")
+            self.run = self.compiled
+        elif self.ledger.failed is not None:
+            self.plan = self.background_failed(self.plan, self.ledger, a)
+        else:
+            return
+        if self.on_plan is not None:
+            self.on_plan(self.plan)
+
+    def chunk(self, a: int, b: int, kept: Kept | None) -> None:
+        if self.plan.background and self.ledger.pending is None:
+            self._look_for_the_compile(a)
+        t0 = time.perf_counter()
+        ts = self.start + torch.arange(a, b, device=self.device)
+        thinned = False  # the outputs hold only the kept steps (the eager runner keeps no others)
+        if self.plan.compiled:
+            if b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
+                torch._dynamo.mark_dynamic(ts, 0)
+            failed = None
+            try:
+                ran = self.run(self.step, self.collect, self.keys, self.state, ts)
+            except Exception as exc:  # noqa: BLE001 - a failed compile, or an error the eager steps raise too
+                failed = describe_failure(exc)
+            if failed is None:
+                self.ledger.compiled = True
+            else:
+                # the same chunk from the same inputs (the compiled call is pure: nothing moved),
+                # eagerly; an error of the step itself is raised here, as eager code raises it
+                ran, thinned = self._eager(ts, kept), True
+                self.plan, self.run = self.fall_back(self.plan, self.ledger, failed, a, self.on_plan), _eager
+        else:
+            ran, thinned = self._eager(ts, kept), True
+        self.state, out, info = ran
+        if not self.plan.compiled and self.record:
+            sync(self.device)
+            self.ledger.record(time.perf_counter() - t0, b - a)
+        if kept is None:
+            return
+        outs = pytree.tree_leaves((out, info))
+        lo, hi, step = (0, kept.j1 - kept.j0, 1) if thinned else (kept.lo, kept.hi, self.thin)
+        if self.bufs is None and (kept.j0, kept.j1) == (0, self.n_kept) and (thinned or (
+                (kept.lo, kept.hi, self.thin) == (0, b - a, 1))):
+            self.bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
+            return
+        if self.bufs is None:  # allocated once, filled chunk by chunk
+            # torch.empty, not empty_like: the meta tensors' layout rules load sympy (0.5 s)
+            self.bufs = [torch.empty(w.shape, dtype=w.dtype, device=self.device)
+                         for w in pytree.tree_leaves(self.expected)]
+        for buf, x in zip(self.bufs, outs):
+            buf[kept.j0 : kept.j1].copy_(x[lo:hi:step])
+
+    def _eager(self, ts: Tensor, kept: Kept | None) -> tuple[Any, Any, Any]:
+        """The chunk's steps eagerly, keeping only the kept ones: ``(state, kept, info)`` with
+        leaves ``(n, ...)`` for the ``n`` steps kept in this chunk (``None`` when none).
+
+        The same steps as the compiled runner's (same keys, same draws), without what a compiled
+        scan needs and eager code does not: no copy of the state at every step (nothing mutates
+        it), and no stack of every step's draws when a chunk keeps a few of them."""
+        state, outs = self.state, []
+        for i in range(ts.shape[0]):
+            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
+            if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
+        if not outs:
+            return state, None, None
+        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+        return state, out, info
+
+    def finish(self) -> tuple[Any, Any, Any]:
+        final = pytree.tree_map(lambda x: x.contiguous(), self.state)
+        trace, info = pytree.tree_unflatten(self.bufs, pytree.tree_structure(self.expected))
+        return final, trace, info
+
+
+# The C kernel's launches are also cut by time (_SLICE_S each): Python raises a Ctrl-C's
+# KeyboardInterrupt only once a ctypes call returns, so a launch's length bounds the wait.
+# Any cut gives the same draws (step t's key is fold_in(key, t) wherever a launch starts).
+_SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C is seen)
+# The first launch's work, before a rate is measured: steps x chains x elements (x d for a full
+# Gaussian, d multiply-adds an element). 2**24 is about 50 ms at W1's rate on 2 quiet cores of this
+# project's CPU host (29 ms for 10**7), 0.4 s at load average 6 there; W1 and W3 (10,000 chains x
+# 10 x 100 steps) stay one launch (two launches cost them 1.10x and 1.16x at that load).
+_FIRST_SLICE_WORK = 1 << 24
+_GROWTH = 8  # a launch is at most this many times the one before
+
+
+def _first_slice(x: Tensor, energy: Any = None) -> int:
+    """The first launch's steps, before a rate is measured: tens of milliseconds' work."""
+    work = x.numel() * (x.shape[-1] if getattr(energy, "is_diagonal", True) is False else 1)
+    return max(1, _FIRST_SLICE_WORK // max(1, work))
+
+
+def _next_slice(steps: int, seconds: float, limit: int) -> int:
+    """The next launch's steps: about ``_SLICE_S`` at the rate just measured, at most ``_GROWTH``
+    times the last (one fast launch on a noisy machine does not make the next one long) and at
+    most ``limit``."""
+    fit = int(_SLICE_S * steps / seconds) if seconds > 0 else _GROWTH * steps
+    return max(1, min(limit, _GROWTH * steps, fit))
+
+
+def _per_chain(value: Tensor, x: Tensor, chains: tuple[int, ...]) -> Tensor:
+    # the sampler's tunable in the position's dtype and device: 0-dim, or one value per chain
+    value = value.to(dtype=x.dtype, device=x.device)
+    if value.ndim == 0:
+        return value
+    return value.reshape(value.shape + (1,) * (len(chains) - value.ndim)).expand(chains).contiguous()
+
+
+class KernelEngine:
+    """A whole-chain kernel: ``module.run_into`` writes the kept draws straight into the buffers
+    (the caller's ``out`` when contiguous, else fresh ones copied into it at the end)."""
+
+    def __init__(self, path: dispatch.FastPath, step: Any, chain: Any, n_kept: int, burn_in: int, thin: int,
+                 with_energy: bool, out: Any):
+        self.name, self.path, self.step = path.engine, path, step
+        self.module = dispatch.module(path)
+        self.exact_sizes = path.engine == "c"  # timed launches: any cut gives the same draws
+        state, keys = chain.state, chain.keys
+        x = state.position
+        chains = tuple(keys.shape[:-1])
+        tun = step.tunables
+        self.h = _per_chain(tun["step_size"], x, chains)
+        self.s = _per_chain(tun.get("noise_scale", torch.ones(())), x, chains)
+        self.x, self.e, self.g = x, state.energy, state.grad
+        self.keys, self.start, self.thin, self.with_energy = keys, chain.steps_taken, thin, with_energy
+        self.state_type, self.device = type(state), x.device
+        self.trace, self.info, self.copy_to = self._buffers(out, x, chains, n_kept)
+        self.outputs = (self.trace[0] if with_energy else self.trace, *self.info)
+        self.more = {"energy_trace": self.trace[1]} if with_energy else {}
+
+    def _buffers(self, out: Any, x: Tensor, chains: tuple[int, ...], n_kept: int) -> tuple[Any, Any, Any]:
+        """``(trace, info, copy_to)``: the buffers the kernel writes — the caller's ``out`` when its
+        tensors are contiguous, else fresh ones then copied into ``copy_to`` (``out``, or ``None``)."""
+        trace = torch.empty((n_kept,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        if self.with_energy:
+            trace = (trace, torch.empty((n_kept,) + chains, dtype=x.dtype, device=x.device))
+        info = dispatch.info_buffers(self.path, self.step.sampler, self.step.info_type, n_kept, chains, x.dtype,
+                                     x.device)
+        if out is None:
+            return trace, info, None
+        want = pytree.tree_leaves((trace, info))
+        pair = isinstance(out, tuple) and len(out) == 2
+        if not pair or pytree.tree_structure(out) != pytree.tree_structure((trace, info)):
+            raise ValueError(f"out must be a (trace, info) pair as this run returns: a tensor and a {type(info).__name__}")
+        for got, w in zip(pytree.tree_leaves(out), want):
+            if not isinstance(got, Tensor) or got.shape != w.shape or got.dtype != w.dtype or got.device != w.device:
+                shapes = [(tuple(t.shape), t.dtype) for t in want]
+                raise ValueError(f"out's buffers must have the shapes and dtypes {shapes} on {x.device}")
+        if all(t.is_contiguous() for t in pytree.tree_leaves(out)):
+            return out[0], out[1], None  # the kernel writes the caller's buffers directly
+        return trace, info, out
+
+    def first_size(self, chunk_size: int) -> int:
+        if self.exact_sizes:
+            return min(chunk_size, _first_slice(self.x, self.step.energy_fn))
+        return max(chunk_size, 2)
+
+    def next_size(self, steps: int, seconds: float, chunk_size: int) -> int:
+        return _next_slice(steps, seconds, chunk_size) if self.exact_sizes else max(chunk_size, 2)
+
+    def chunk(self, a: int, b: int, kept: Kept | None) -> None:
+        first, n_keep, j0 = (kept.lo, kept.j1 - kept.j0, kept.j0) if kept is not None else (b - a, 0, 0)
+        self.x, self.e, self.g = self.module.run_into(
+            self.step.energy_fn, self.x, self.e, self.g, self.keys, self.start + a, self.h, self.s, self.outputs,
+            mala=self.step.sampler == "mala", n_total=b - a, first=first, thin=self.thin, n_keep=n_keep, j0=j0,
+            **self.more)
+
+    def finish(self) -> tuple[Any, Any, Any]:
+        trace, info = self.trace, self.info
+        if self.copy_to is not None:  # out= with non-contiguous buffers
+            for buf, new in zip(pytree.tree_leaves(self.copy_to), pytree.tree_leaves((trace, info))):
+                buf.copy_(new)
+            trace, info = self.copy_to
+        return self.state_type(self.x, self.e, self.g), trace, info

@@ -1,0 +1,256 @@
+/* fnebm.random's eager draws on the CPU, one pass each: Philox4x32-10, the conversion to units,
+ * Box-Muller and the planar layout (element i of a key's n values is lane i / m of block i % m,
+ * m = ceil(n / 4)), and the derived keys of split and fold_in. The stream is the one documented in
+ * fnebm/random.py, with the Philox rounds, the conversion and the float32 Box-Muller of
+ * _cpu_common.h (the chain and NUTS kernels draw with the same code, so their noise is these bits).
+ *
+ * Keys arrive as int64 words: key j is (k0[j * ks], k1[j * ks]). Outputs are contiguous:
+ * draws (n_keys, n); split (2, num, n_keys) (word, key index, chain); fold_in (2, n).
+ * Loaded by fnebm/_random_cpu.py; built by fnebm/_cbuild.py. */
+#include "_cpu_common.h"
+
+#ifndef FNEBM_RANDOM_PART
+#define FNEBM_RANDOM_PART 0
+#endif
+
+/* parallel (OpenMP) only from this many Philox blocks (four million values): below it the threads'
+ * start and their wait afterwards (they share torch's OpenMP runtime) cost more than they save. On
+ * the 2-core test host under load, a million normals took 2.3 ms on one thread and 5.7 ms on two;
+ * four million 15.5 and 11.7 ms. */
+#define PAR_BLOCKS 1048576
+
+/* Whether a key word lies outside [0, 2**32) (fnebm.random.check_key's value check, done here in
+ * one pass instead of five torch operations): the entry points then return 1 and compute nothing,
+ * and the caller raises the usual error. */
+static inline int bad_keys(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks) {
+    uint64_t high = 0;
+#pragma omp simd reduction(| : high)
+    for (int64_t j = 0; j < n_keys; j++)
+        high |= ((uint64_t)k0[j * ks] | (uint64_t)k1[j * ks]) >> 32;
+    return high != 0;
+}
+
+enum { UNIFORM = 0, NORMAL_ONE_PAIR = 1, NORMAL_TWO_PAIRS = 2 };
+
+/* the four values of Philox block b under (k0, k1), float32: units, or Box-Muller on lanes (0, 1)
+ * and, with NORMAL_TWO_PAIRS, (2, 3) (lanes that are never stored need not be computed) */
+static inline __attribute__((always_inline)) void block_f32(const int mode, uint32_t k0, uint32_t k1, uint64_t b,
+                                                            float *o0, float *o1, float *o2, float *o3) {
+    uint32_t w0 = (uint32_t)b, w1 = (uint32_t)(b >> 32), w2 = 0, w3 = 0;
+    PHILOX(w0, w1, w2, w3, k0, k1);
+    if (mode == UNIFORM) {
+        *o0 = to_unit(w0);
+        *o1 = to_unit(w1);
+        *o2 = to_unit(w2);
+        *o3 = to_unit(w3);
+        return;
+    }
+    float r0 = sqrtf(-2.0f * vlogf(floor_unit(to_unit(w0))));
+    float s0, c0;
+    VSINCOSF(TWO_PI * to_unit(w1), s0, c0);
+    *o0 = r0 * c0;
+    *o1 = r0 * s0;
+    if (mode == NORMAL_TWO_PAIRS) {
+        float r1 = sqrtf(-2.0f * vlogf(floor_unit(to_unit(w2))));
+        float s1, c1;
+        VSINCOSF(TWO_PI * to_unit(w3), s1, c1);
+        *o2 = r1 * c1;
+        *o3 = r1 * s1;
+    } else {
+        *o2 = 0.0f;
+        *o3 = 0.0f;
+    }
+}
+
+static inline double to_unit64(uint32_t w) {
+    int32_t x = (int32_t)w;
+    x ^= x >> 31;
+    return (double)x * 0x1p-31;
+}
+
+/* float64: the same bits scaled by 2**-31 in float64; Box-Muller in float64 with the C library's
+ * log, sin and cos (as the torch path: u1 floored at 1e-7, th = 2 pi u2) */
+static inline __attribute__((always_inline)) void block_f64(const int mode, uint32_t k0, uint32_t k1, uint64_t b,
+                                                            double *o0, double *o1, double *o2, double *o3) {
+    uint32_t w0 = (uint32_t)b, w1 = (uint32_t)(b >> 32), w2 = 0, w3 = 0;
+    PHILOX(w0, w1, w2, w3, k0, k1);
+    if (mode == UNIFORM) {
+        *o0 = to_unit64(w0);
+        *o1 = to_unit64(w1);
+        *o2 = to_unit64(w2);
+        *o3 = to_unit64(w3);
+        return;
+    }
+    double r0 = sqrt(-2.0 * log(fmax(to_unit64(w0), 1.0e-7)));
+    double th0 = 6.283185307179586 * to_unit64(w1);
+    *o0 = r0 * cos(th0);
+    *o1 = r0 * sin(th0);
+    if (mode == NORMAL_TWO_PAIRS) {
+        double r1 = sqrt(-2.0 * log(fmax(to_unit64(w2), 1.0e-7)));
+        double th1 = 6.283185307179586 * to_unit64(w3);
+        *o2 = r1 * cos(th1);
+        *o3 = r1 * sin(th1);
+    } else {
+        *o2 = 0.0;
+        *o3 = 0.0;
+    }
+}
+
+/* Two loop orders, one result. Many values per key (m >= CB): a task is CB consecutive blocks of
+ * one key, vectorised over the blocks, each lane stored as one contiguous run. Few values per key
+ * (a number or two per chain): a task is CB keys, vectorised over the keys, the values scattered.
+ * One function per mode: the mode must be a constant inside the loops OpenMP outlines, or they do
+ * not vectorise. */
+#define DEFINE_DRAW(T, SUFFIX, BLOCK, mode)                                                                   \
+    static void draw_##SUFFIX##_##mode(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks,     \
+                                       int64_t n, T *out, int threads) {                                      \
+        const int64_t m = (n + 3) / 4;                                                                        \
+        const int par = threads > 1 && n_keys * m >= PAR_BLOCKS;                                              \
+        if (m >= CB) {                                                                                        \
+            const int64_t chunks = (m + CB - 1) / CB, tasks = n_keys * chunks;                                \
+            _Pragma("omp parallel for num_threads(threads) if (par) schedule(static)")                        \
+            for (int64_t t = 0; t < tasks; t++) {                                                             \
+                const int64_t j = t / chunks, b0 = (t % chunks) * CB;                                         \
+                const uint32_t kk0 = (uint32_t)k0[j * ks], kk1 = (uint32_t)k1[j * ks];                        \
+                T o[4][CB];                                                                                   \
+                _Pragma("omp simd")                                                                           \
+                for (int i = 0; i < CB; i++)                                                                  \
+                    BLOCK(mode, kk0, kk1, (uint64_t)(b0 + i), &o[0][i], &o[1][i], &o[2][i], &o[3][i]);        \
+                T *row = out + j * n;                                                                         \
+                const int64_t live = m - b0 < CB ? m - b0 : CB;                                               \
+                for (int lane = 0; lane < 4; lane++) {                                                        \
+                    const int64_t start = lane * m + b0;                                                      \
+                    int64_t count = n - start < live ? n - start : live;                                      \
+                    if (count > 0)                                                                            \
+                        memcpy(row + start, o[lane], sizeof(T) * (size_t)count);                              \
+                }                                                                                             \
+            }                                                                                                 \
+        } else {                                                                                              \
+            const int64_t tasks = (n_keys + CB - 1) / CB;                                                     \
+            _Pragma("omp parallel for num_threads(threads) if (par) schedule(static)")                        \
+            for (int64_t t = 0; t < tasks; t++) {                                                             \
+                const int64_t j0 = t * CB;                                                                    \
+                const int64_t live = n_keys - j0 < CB ? n_keys - j0 : CB;                                     \
+                uint32_t kk0[CB], kk1[CB];                                                                    \
+                for (int i = 0; i < CB; i++) {                                                                \
+                    const int64_t j = i < live ? j0 + i : j0; /* past the end: any live key, not stored */   \
+                    kk0[i] = (uint32_t)k0[j * ks];                                                            \
+                    kk1[i] = (uint32_t)k1[j * ks];                                                            \
+                }                                                                                             \
+                for (int64_t b = 0; b < m; b++) {                                                             \
+                    T o[4][CB];                                                                               \
+                    _Pragma("omp simd")                                                                       \
+                    for (int i = 0; i < CB; i++)                                                              \
+                        BLOCK(mode, kk0[i], kk1[i], (uint64_t)b, &o[0][i], &o[1][i], &o[2][i], &o[3][i]);     \
+                    for (int lane = 0; lane < 4; lane++) {                                                    \
+                        const int64_t e = lane * m + b;                                                       \
+                        if (e >= n)                                                                           \
+                            break;                                                                            \
+                        for (int64_t i = 0; i < live; i++)                                                    \
+                            out[(j0 + i) * n + e] = o[lane][i];                                               \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+/* lanes 2 and 3 are read when some element lies at or past 2 m (n > 2 m) */
+static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL_TWO_PAIRS : NORMAL_ONE_PAIR; }
+
+/* Two objects, compiled at once (FNEBM_RANDOM_PART 0: the float32 draws, about two thirds of the
+ * build; 1: the float64 draws and the keys) */
+#if FNEBM_RANDOM_PART == 0
+DEFINE_DRAW(float, f32, block_f32, UNIFORM)
+DEFINE_DRAW(float, f32, block_f32, NORMAL_ONE_PAIR)
+DEFINE_DRAW(float, f32, block_f32, NORMAL_TWO_PAIRS)
+
+int fnebm_uniform_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, float *out,
+                      int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    draw_f32_UNIFORM(n_keys, k0, k1, ks, n, out, threads);
+    return 0;
+}
+
+
+int fnebm_normal_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, float *out,
+                     int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    if (normal_mode(n) == NORMAL_TWO_PAIRS)
+        draw_f32_NORMAL_TWO_PAIRS(n_keys, k0, k1, ks, n, out, threads);
+    else
+        draw_f32_NORMAL_ONE_PAIR(n_keys, k0, k1, ks, n, out, threads);
+    return 0;
+}
+
+
+#else
+DEFINE_DRAW(double, f64, block_f64, UNIFORM)
+DEFINE_DRAW(double, f64, block_f64, NORMAL_ONE_PAIR)
+DEFINE_DRAW(double, f64, block_f64, NORMAL_TWO_PAIRS)
+
+int fnebm_uniform_f64(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, double *out,
+                      int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    draw_f64_UNIFORM(n_keys, k0, k1, ks, n, out, threads);
+    return 0;
+}
+
+int fnebm_normal_f64(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t n, double *out,
+                     int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    if (normal_mode(n) == NORMAL_TWO_PAIRS)
+        draw_f64_NORMAL_TWO_PAIRS(n_keys, k0, k1, ks, n, out, threads);
+    else
+        draw_f64_NORMAL_ONE_PAIR(n_keys, k0, k1, ks, n, out, threads);
+    return 0;
+}
+
+/* split(key, num): block b (third counter word SPLIT_TAG) gives keys 2b (words 0, 1) and 2b + 1
+ * (words 2, 3); out[w][i][j] is word w of key i of chain j */
+int fnebm_split(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks, int64_t num, int64_t *out,
+                int threads) {
+    if (bad_keys(n_keys, k0, k1, ks))
+        return 1;
+    const int64_t blocks = (num + 1) / 2;
+    const int par = threads > 1 && n_keys * blocks >= PAR_BLOCKS;
+    int64_t *first = out, *second = out + num * n_keys;
+#pragma omp parallel for num_threads(threads) if (par) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int odd = 2 * b + 1 < num;
+#pragma omp simd
+        for (int64_t j = 0; j < n_keys; j++) {
+            uint32_t w0 = (uint32_t)b, w1 = (uint32_t)((uint64_t)b >> 32), w2 = SPLIT_TAG, w3 = 0;
+            PHILOX(w0, w1, w2, w3, (uint32_t)k0[j * ks], (uint32_t)k1[j * ks]);
+            first[2 * b * n_keys + j] = w0;
+            second[2 * b * n_keys + j] = w1;
+            if (odd) {
+                first[(2 * b + 1) * n_keys + j] = w2;
+                second[(2 * b + 1) * n_keys + j] = w3;
+            }
+        }
+    }
+    return 0;
+}
+
+/* fold_in(key, data): counter (data_lo, data_hi, FOLD_TAG, 0), the new key words 0 and 1; element i
+ * reads key (k0[i * ks], k1[i * ks]) and data[i * ds] (a stride 0 broadcasts); out is (2, n) */
+int fnebm_fold_in(int64_t n, const int64_t *k0, const int64_t *k1, int64_t ks, const int64_t *data, int64_t ds,
+                  int64_t *out, int threads) {
+    if (bad_keys(n, k0, k1, ks))
+        return 1;
+    const int par = threads > 1 && n >= PAR_BLOCKS;
+#pragma omp parallel for simd num_threads(threads) if (par) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t d = (uint64_t)data[i * ds];
+        uint32_t w0 = (uint32_t)d, w1 = (uint32_t)(d >> 32), w2 = FOLD_TAG, w3 = 0;
+        PHILOX(w0, w1, w2, w3, (uint32_t)k0[i * ks], (uint32_t)k1[i * ks]);
+        out[i] = w0;
+        out[n + i] = w1;
+    }
+    return 0;
+}
+#endif
