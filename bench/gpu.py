@@ -148,8 +148,9 @@ def compile_only() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from fnebm.kernels import families
+
     lc = importlib.import_module("fnebm.kernels.langevin_chain")
-    gs = importlib.import_module("fnebm.kernels.gaussian")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     target = GPUTarget("cuda", 90, 32)
 
@@ -167,7 +168,7 @@ def compile_only() -> None:
     pointers = {"key_ptr": "*i64", "acc_ptr": "*i8", "div_ptr": "*i8"}
     for chains, dim in ((1024, 128), (10_000, 100), (64, lc.MAX_DIM)):
         m, block_c, block_m, num_warps = lc._grid(chains, dim)
-        for family, fname in enumerate(("double_well", "harmonic", "gaussian", "rastrigin")):
+        for fname, family in ((f.name, f.id) for f in families.FAMILIES if families.TRITON in f.engines):
             for mala in (False, True):
                 sig = {a: pointers.get(a, "*fp32" if a.endswith("_ptr") else "i32")
                        for a in lc.langevin_chain_kernel.arg_names}
@@ -175,12 +176,6 @@ def compile_only() -> None:
                 report(f"langevin_chain {fname} mala={mala} {chains}x{dim} ({block_c}x{block_m}, {num_warps} warps)",
                        lc.langevin_chain_kernel, sig, dict(ENERGY=family, MALA=mala, BLOCK_C=block_c, BLOCK_M=block_m),
                        num_warps)
-    sig = {a: "*fp32" if a.endswith("_ptr") else "i32" for a in gs.gaussian_energy_score_kernel.arg_names}
-    sig.update(BLOCK_N="constexpr", BLOCK_J="constexpr", BLOCK_K="constexpr")
-    for dim in (8, 128):
-        block_j, block_k = gs._tiles(dim)
-        report(f"gaussian_energy_score d={dim} ({gs._BLOCK_N}x{block_j}x{block_k}, 4 warps)",
-               gs.gaussian_energy_score_kernel, sig, dict(BLOCK_N=gs._BLOCK_N, BLOCK_J=block_j, BLOCK_K=block_k), 4)
 
 
 def main(argv=None) -> None:

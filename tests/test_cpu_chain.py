@@ -1,5 +1,6 @@
-"""The C whole-chain Langevin kernel (fnebm.kernels.cpu_chain) against its pure-torch twin, and
-sample_chain's dispatch to it (backend="c", and "auto" on the CPU)."""
+"""The C whole-chain Langevin kernel (fnebm.kernels.cpu_chain) against the samplers it runs
+(fnebm.langevin and fnebm.mala, stepped by fnebm.chain.run from the same keys), and sample_chain's
+dispatch to it (backend="c", and "auto" on the CPU)."""
 
 import os
 import subprocess
@@ -14,7 +15,6 @@ from fnebm import random as fr
 from fnebm.chain import engines as be
 from fnebm.kernels import dispatch
 from fnebm.kernels import cpu_chain
-from fnebm.kernels.langevin_chain import langevin_chain_torch, mala_chain_torch
 
 pytestmark = pytest.mark.skipif(cpu_chain.available() is not None,
                                 reason=f"the C kernel is unavailable here: {cpu_chain.available()}")
@@ -43,6 +43,15 @@ def _run(energy, x, keys, n_steps, h=0.01, s=1.0, start=0, burn_in=0, thin=1, ma
     return final + outputs
 
 
+def _sampler(energy, x, keys, n_steps, h=0.01, s=1.0, start=0, burn_in=0, thin=1, mala=False):
+    """What the kernel must give: fnebm.langevin's or fnebm.mala's own steps (fnebm.chain.run,
+    eager) from the same keys, kept as the kernel keeps them: (position, energy, grad, trace, *info)."""
+    alg = fnebm.mala(energy, h) if mala else fnebm.langevin(energy, h, s)
+    final, trace, info = fnebm.chain.run(alg.step, torch.func.vmap(alg.init)(x), keys, burn_in + n_steps, start=start)
+    kept = slice(burn_in + thin - 1, burn_in + n_steps, thin)
+    return (final.position, final.energy, final.grad, trace[kept], *(t[kept] for t in info))
+
+
 @pytest.mark.parametrize("d", [1, 3, 4, 5, 10, 17])
 def test_noise_is_the_fnebm_random_stream(d):
     # one step from x = 0, grad = 0 with h = 1/2 and noise scale 1 is the step's normal draw itself;
@@ -69,7 +78,7 @@ def _energies(d):
 
 
 @pytest.mark.parametrize("name", ["double_well", "harmonic", "diagonal_gaussian", "rastrigin"])
-def test_chain_matches_the_twin(name):
+def test_chain_matches_the_sampler(name):
     d, n = 5, 40
     energy = _energies(d)[name]
     assert cpu_chain.covers(energy) is None
@@ -79,55 +88,54 @@ def test_chain_matches_the_twin(name):
     # chaotic, so that rounding differences grow until the chains part (measured: 2.0 after 12 steps at 0.05)
     h = torch.linspace(0.001, 0.006, n) if name == "rastrigin" else torch.linspace(0.005, 0.05, n)
     got = _run(energy, x, keys, 12, h=h, s=0.8, start=3, burn_in=4, thin=3)
-    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 3, h, torch.tensor(0.8),
-                                n_steps=12, burn_in=4, thin=3)
+    want = _sampler(energy, x, keys, 12, h=h, s=0.8, start=3, burn_in=4, thin=3)
+    assert want[3].shape == (4, n, d)
     for a, b in zip(got[:4], want[:4]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert torch.equal(got[4], want.is_divergent)
+    assert torch.equal(got[4], want[4])
 
 
 @pytest.mark.parametrize("name", ["double_well", "harmonic", "diagonal_gaussian", "rastrigin"])
-def test_mala_chain_matches_the_twin(name):
+def test_mala_chain_matches_the_sampler(name):
     d, n = 5, 40
     energy = _energies(d)[name]
     x = fr.normal(fr.key(1), (n, d))
     keys = fr.split(fr.key(2), n)
-    # acceptance from about 1 down to well below it (Rastrigin: see test_chain_matches_the_twin)
+    # acceptance from about 1 down to well below it (Rastrigin: see test_chain_matches_the_sampler)
     h = torch.linspace(0.002, 0.012, n) if name == "rastrigin" else torch.linspace(0.01, 0.3, n)
     got = _run(energy, x, keys, 12, h=h, start=3, burn_in=4, thin=3, mala=True)
-    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 3, h, n_steps=12, burn_in=4, thin=3)
+    want = _sampler(energy, x, keys, 12, h=h, start=3, burn_in=4, thin=3, mala=True)
     for a, b in zip(got[:5], want[:5]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # the decisions: equal unless a log alpha lies within rounding of log u (none here)
-    assert torch.equal(got[5], want.is_accepted) and torch.equal(got[6], want.is_divergent)
-    assert 0.1 < want.is_accepted.float().mean() < 0.95
+    assert torch.equal(got[5], want[5]) and torch.equal(got[6], want[6])
+    assert 0.1 < want[5].float().mean() < 0.95
 
 
-def test_mala_rejects_and_flags_divergent_proposals_as_the_twin_does():
+def test_mala_rejects_and_flags_divergent_proposals_as_the_sampler_does():
     energy = energies.double_well(2.0, 1.0)
     x = 3.0 * fr.normal(fr.key(4), (64, 3))
     keys = fr.split(fr.key(5), 64)
     h = torch.logspace(-2, 9, 64)  # from well-behaved to proposals whose energy overflows float32
     got = _run(energy, x, keys, 6, h=h, mala=True)
-    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 0, h, n_steps=6)
-    assert want.is_divergent.any() and not want.is_divergent.all()
-    assert torch.equal(got[6], want.is_divergent) and torch.equal(got[5], want.is_accepted)
+    want = _sampler(energy, x, keys, 6, h=h, mala=True)
+    assert want[6].any() and not want[6].all()
+    assert torch.equal(got[6], want[6]) and torch.equal(got[5], want[5])
     assert (got[4][got[6]] == 0).all()  # a divergent proposal's acceptance rate is exp(-inf)
-    torch.testing.assert_close(got[3], want.trace, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-4)
 
 
-def test_divergent_moves_are_dropped_and_flagged_as_the_twin_does():
+def test_divergent_moves_are_dropped_and_flagged_as_the_sampler_does():
     # a step size this large overflows the double well's gradient for some chains within a few steps
     energy = energies.double_well(2.0, 1.0)
     x = 3.0 * fr.normal(fr.key(4), (64, 3))
     keys = fr.split(fr.key(5), 64)
     got = _run(energy, x, keys, 6, h=0.2)
-    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 0, torch.tensor(0.2),
-                                torch.tensor(1.0), n_steps=6)
-    assert want.is_divergent.any() and not want.is_divergent.all()
-    assert torch.equal(got[4], want.is_divergent)
+    want = _sampler(energy, x, keys, 6, h=0.2)
+    assert want[4].any() and not want[4].all()
+    assert torch.equal(got[4], want[4])
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[3]).all()
-    torch.testing.assert_close(got[3], want.trace, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-4)
 
 
 def test_thread_count_does_not_change_the_draws():
@@ -390,17 +398,17 @@ def test_run_into_checks_what_it_reads():
         cpu_chain.run_into(energy, x, e, g, keys.to(torch.int32), 0, one, one, outputs, **kw)
 
 
-def test_the_op_equals_the_twins_and_traces_whole():
+def test_the_op_equals_the_samplers_and_traces_whole():
     energy = energies.double_well(2.0, 1.0)
     x = fr.normal(fr.key(8), (20, 4))
     keys = fr.split(fr.key(9), 20)
     h = torch.linspace(0.01, 0.1, 20)
     got = cpu_chain.mala_chain(energy, x, energy(x), energy.grad(x), keys, 5, h, n_steps=6, burn_in=2, thin=2)
-    want = mala_chain_torch(energy, x, energy(x), energy.grad(x), keys, 5, h, n_steps=6, burn_in=2, thin=2)
+    want = _sampler(energy, x, keys, 6, h=h, start=5, burn_in=2, thin=2, mala=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     got = cpu_chain.langevin_chain(energy, x, energy(x), energy.grad(x), keys, 5, 0.05, 0.5, n_steps=4)
-    want = langevin_chain_torch(energy, x, energy(x), energy.grad(x), keys, 5, 0.05, 0.5, n_steps=4)
+    want = _sampler(energy, x, keys, 4, h=0.05, s=0.5, start=5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # one node in a fullgraph trace (aot_eager: the same trace as Inductor, without its C++ compile)

@@ -198,7 +198,7 @@ def test_auto_takes_the_c_kernel_where_it_applies_and_falls_back_elsewhere():
 
 @pytest.mark.parametrize("case,match", [
     ("float64", "float32"),
-    ("function", "not one the C kernel computes"),
+    ("function", "not one the C NUTS kernel computes"),
     ("grad", "gradient flows"),
     ("vmap", "torch.func transform"),
     ("integrator", "coefficients"),

@@ -1,8 +1,8 @@
-"""fnebm.kernels under TRITON_INTERPRET=1 on CPU: each kernel against its pure-torch twin.
+"""fnebm.kernels under TRITON_INTERPRET=1 on CPU: the whole-chain kernels against the samplers they run.
 
-Same key, same noise: the fused Langevin kernel's in-kernel normals are fnebm.random.normal's
-(to about 2 ulp: the Philox words agree bit for bit, log/cos/sin are the interpreter's NumPy
-ones against torch's), and its positions equal the twin's to float32 tolerance.
+Same key, same noise: the kernel's in-kernel normals are fnebm.random.normal's (to about 2 ulp:
+the Philox words agree bit for bit, log/cos/sin are the interpreter's NumPy ones against
+torch's), and its chains equal fnebm.chain.run of fnebm.langevin / fnebm.mala to float32 tolerance.
 """
 
 import importlib
@@ -17,8 +17,6 @@ import torch
 pytest.importorskip("triton")
 
 from fnebm import random as fr  # noqa: E402
-from fnebm.integrators import euler_maruyama  # noqa: E402
-from fnebm.kernels import langevin_update, langevin_update_torch  # noqa: E402
 
 pytestmark = [
     pytest.mark.kernels,
@@ -34,11 +32,6 @@ TOL = dict(rtol=2e-6, atol=1e-6)
 def _keys(chains):
     k = fr.key(17, device=DEVICE)
     return k if chains == () else fr.split(k, torch.Size(chains).numel()).reshape(*chains, 2)
-
-
-# (chains, event): tails inside a tile (37 = 4 * 10 - 3), chains past a tile's rows, a single
-# key drawing the whole tensor over two programs (1100 numbers = 275 blocks > 256 per tile).
-SHAPES = [((3,), (37,)), ((2, 3), (5, 2)), ((), (1100,))]
 
 
 _PHILOX_CASES = {
@@ -75,89 +68,17 @@ def test_eager_philox_kernel_gives_the_torch_paths_bits(monkeypatch, case):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("chains, event", SHAPES)
-def test_noise_is_fnebm_random_normal(chains, event):
-    keys = _keys(chains)
-    zero = torch.zeros(chains + event, device=DEVICE)
-    # h = 1/2, s = 1: x' = 0 - 0 + 1 * xi exactly, so x' is the kernel's noise
-    noise = langevin_update(zero, zero, keys, 0.5, 1.0)
-    torch.testing.assert_close(noise, fr.normal(keys, event), **TOL)
-
-
-@pytest.mark.parametrize("per_chain", [False, True], ids=["0-dim", "per-chain"])
-def test_update_matches_twin(per_chain):
-    chains, event = (5,), (37,)
-    x, g = fr.normal(fr.key(1, DEVICE), (2,) + chains + event)
-    keys = _keys(chains)
-    if per_chain:
-        h = torch.linspace(0.01, 0.5, 5, device=DEVICE)
-        s = torch.tensor(0.8, device=DEVICE)
-    else:
-        h = torch.tensor(0.1, device=DEVICE)
-        s = torch.linspace(0.0, 1.0, 5, device=DEVICE)
-    twin = langevin_update_torch(x, g, keys, h, s)
-    torch.testing.assert_close(langevin_update(x, g, keys, h, s), twin, **TOL)
-    # the twin is the Euler–Maruyama step with fnebm.random's noise
-    hb, sb = (t.reshape(-1, 1) if t.ndim else t for t in (h, s))
-    assert torch.equal(twin, euler_maruyama(x, g, hb, fr.normal(keys, event), sb))
-
-
-def test_gradients_match_twin():
-    keys = _keys((3,))
-    w = torch.linspace(-1.0, 1.0, 3 * 37, device=DEVICE).reshape(3, 37)
-
-    def grads(update):
-        args = [*fr.normal(fr.key(2, DEVICE), (2, 3, 37)), torch.tensor([0.1, 0.2, 0.3], device=DEVICE),
-                torch.tensor(0.7, device=DEVICE)]
-        args = [a.requires_grad_() for a in args]
-        (update(args[0], args[1], keys, *args[2:]) * w).sum().backward()
-        return [a.grad for a in args]
-
-    for a, b in zip(grads(langevin_update), grads(langevin_update_torch)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_rejects_what_the_kernel_does_not_cover():
-    keys = _keys((3,))
-    x = torch.zeros(3, 4, device=DEVICE)
-    with pytest.raises(TypeError, match="float32"):
-        langevin_update(x.double(), x.double(), keys, 0.1)
-    with pytest.raises(ValueError, match="step_size"):
-        langevin_update(x, x, keys, torch.ones(4, device=DEVICE))
-    with pytest.raises(ValueError, match="key"):
-        langevin_update(x, x, _keys((4,)), 0.1)
-
-
-@pytest.mark.compile
-def test_op_in_compiled_graph():
-    """The registered op: its fake implementation and AOT dispatch (opcheck), and one
-    fullgraph compile that a new step-size value does not recompile."""
-    keys = _keys((3,))
-    x, g = fr.normal(fr.key(3, DEVICE), (2, 3, 37))
-    h = torch.tensor([0.1, 0.2, 0.3], device=DEVICE)
-    s = torch.tensor(1.0, device=DEVICE)
-    torch.library.opcheck(torch.ops.fnebm.langevin_update.default, (x.requires_grad_(), g, keys, h, s))
-    x = x.detach()
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    step = torch.compile(lambda x, g, k, h: langevin_update(x, g, k, h, s) * 2.0, fullgraph=True, backend="aot_eager")
-    for h in (h, 2 * h):
-        torch.testing.assert_close(step(x, g, keys, h), 2.0 * langevin_update_torch(x, g, keys, h, s), **TOL)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-
 # ------------------------------------------------------------ whole chains (langevin_chain)
 
+import fnebm  # noqa: E402
 from fnebm import energies as E  # noqa: E402
 from fnebm.chain import run as run_chain  # noqa: E402
 # the package exports the function langevin_chain, which hides the module of the same name
 lc = importlib.import_module("fnebm.kernels.langevin_chain")
-from fnebm.samplers import langevin as langevin_sampler, mala as mala_sampler  # noqa: E402
 
 # Whole chains under the interpreter cost ~0.15 s per step (each Triton device-function call
 # re-patches triton.language), so these runs are a handful of steps on a few chains.
-# Kernel against twin: the normals differ by ~2 ulp and the closed forms are summed in another
+# Kernel against sampler: the normals differ by ~2 ulp and the closed forms are summed in another
 # order, so after a few steps positions agree to a few float32 ulps of their size.
 CHAIN_TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -189,6 +110,7 @@ def _over(fn, x):
 
 
 def _assert_chain_close(got, want):
+    assert len(got) == len(want)
     for name, a, b in zip(got._fields, got, want):
         if a.dtype == torch.bool:
             assert torch.equal(a, b), name
@@ -229,26 +151,42 @@ def test_chain_noise_schedule_and_tails(monkeypatch, piece):
     torch.testing.assert_close(final[2], 2.0 * last, **TOL)
 
 
+def _sampler_run(alg, x, keys, start, n_steps, burn_in, thin):
+    """The sampler's own steps (fnebm.chain.run, eager) from the same keys, kept as the kernel keeps
+    them: ``(position, energy, grad, trace, *info)``."""
+    init = alg.init
+    for _ in range(x.ndim - 1):
+        init = torch.func.vmap(init)
+    final, trace, info = run_chain(alg.step, init(x), keys, burn_in + n_steps, start=start)
+    kept = slice(burn_in + thin - 1, burn_in + n_steps, thin)
+    return (final.position, final.energy, final.grad, trace[kept], *(t[kept] for t in info))
+
+
 @pytest.mark.parametrize("name", COVERED)
 @pytest.mark.parametrize("sampler", ["langevin", "mala"])
-def test_chain_matches_twin(name, sampler):
-    """Kernel against twin on 2 x 3 chains of d = 6: per-chain step sizes (MALA) or per-chain
-    noise scales (Langevin), burn-in 1, thin 2, from stream index 3. ~5 steps (~1 s) each."""
+def test_chain_matches_the_sampler(name, sampler):
+    """Kernel against fnebm.chain.run of the sampler itself on 2 x 3 chains of d = 6: per-chain
+    step sizes (MALA, large enough that both decisions occur) or per-chain noise scales
+    (Langevin), burn-in 1, thin 2, from stream index 3. ~5 interpreted steps (~1 s) each."""
     chains, d = (2, 3), 6
     energy = _covered(name, d)
     x, e, g = _start(energy, chains, d)
     keys = _keys(chains)
     kw = dict(n_steps=4, burn_in=1, thin=2)
     if sampler == "mala":
-        h = torch.linspace(0.05, 0.4, 6, device=DEVICE).reshape(chains)
-        args = (energy, x, e, g, keys, 3, h)
-        got, want = lc.mala_chain(*args, **kw), lc.mala_chain_torch(*args, **kw)
+        top = 0.05 if name == "rastrigin" else 0.8  # Rastrigin's curvature is 2 + 4 pi^2 a
+        h = torch.linspace(0.002 if name == "rastrigin" else 0.05, top, 6, device=DEVICE).reshape(chains)
+        got = lc.mala_chain(energy, x, e, g, keys, 3, h, **kw)
+        alg = fnebm.mala(energy, h)
     else:
         s = torch.linspace(0.0, 1.0, 6, device=DEVICE).reshape(chains)
-        args = (energy, x, e, g, keys, 3, torch.tensor(0.05, device=DEVICE), s)
-        got, want = lc.langevin_chain(*args, **kw), lc.langevin_chain_torch(*args, **kw)
-    assert got.trace.shape == (2,) + chains + (d,)
+        got = lc.langevin_chain(energy, x, e, g, keys, 3, torch.tensor(0.05, device=DEVICE), s, **kw)
+        alg = fnebm.langevin(energy, 0.05, s)
+    want = _sampler_run(alg, x, keys, 3, **kw)
+    assert got.trace.shape == want[3].shape == (2,) + chains + (d,)
     _assert_chain_close(got, want)
+    if sampler == "mala":
+        assert got.is_accepted.any() and not got.is_accepted.all()
 
 
 def test_mala_in_pieces_equals_one_launch(monkeypatch):
@@ -265,28 +203,6 @@ def test_mala_in_pieces_equals_one_launch(monkeypatch):
     assert 0 < pieces.is_accepted.float().mean() < 1  # both decisions occur
     for a, b in zip(whole, pieces):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("name", COVERED)
-def test_twin_is_fnebm_sampler(name):
-    """The twins are fnebm's eager Langevin and MALA steps (fnebm.chain.run: the same
-    fold_in/split keys), with closed-form energies in place of autograd. MALA's step size is
-    large enough that both decisions occur. Eager torch only: ~0.2 s each."""
-    chains, d, n = (7,), 5, 8
-    energy = _covered(name, d)
-    x, e, g = _start(energy, chains, d, seed=4)
-    keys = _keys(chains)
-    for alg, twin, extra in ((langevin_sampler(energy, 0.05, 0.7), lc.langevin_chain_torch, (0.7,)),
-                             (mala_sampler(energy, 0.3), lc.mala_chain_torch, ())):
-        state = torch.func.vmap(alg.init)(x)
-        final, trace, info = run_chain(alg.step, state, keys, n, start=2)
-        got = twin(energy, x, e, g, keys, 2, torch.tensor(alg.step.keywords["step_size"].item()), *extra, n_steps=n)
-        torch.testing.assert_close(got.trace, trace, **CHAIN_TOL)
-        torch.testing.assert_close(got.position, final.position, **CHAIN_TOL)
-        torch.testing.assert_close(got.grad, final.grad, **CHAIN_TOL)
-        if twin is lc.mala_chain_torch:
-            assert torch.equal(got.is_accepted, info.is_accepted)
-            assert info.is_accepted.any() and not info.is_accepted.all()
 
 
 def test_chain_rejects_what_it_does_not_cover():
@@ -326,7 +242,6 @@ def test_chain_ops_registered():
 
 # ------------------------------------------------------------ dispatch: sample_chain(backend=)
 
-import fnebm  # noqa: E402
 from fnebm.chain.loop import needs_grad  # noqa: E402
 from fnebm.kernels import dispatch  # noqa: E402
 
@@ -446,56 +361,3 @@ def test_backend_rules(kernels_on_cpu, monkeypatch):
     plans = []
     fnebm.sample_chain(alg.step, state, key, 2, backend="eager", compile=True, on_plan=plans.append, progress=False)
     assert not plans[0].compiled  # "eager" overrides compile
-
-
-# ------------------------------------------------------------ Gaussian energy and score
-
-from fnebm.kernels.gaussian import gaussian_energy_score, gaussian_energy_score_torch  # noqa: E402
-
-
-def _full_gaussian(d, seed=1):
-    a = fr.normal(fr.key(seed, DEVICE), (d, d))
-    return fr.normal(fr.key(seed + 1, DEVICE), (d,)), a @ a.mT / d + torch.eye(d, device=DEVICE)
-
-
-# (batch, d): d < 16 (tl.dot tiles padded), ragged rows and columns over several programs and
-# tiles (40 rows, d = 37: two row blocks, two column and reduction tiles), two batch axes.
-@pytest.mark.parametrize("batch, d", [((5,), 3), ((40,), 37), ((2, 3), 20)])
-def test_gaussian_matches_twin_and_energy(batch, d):
-    """Against the twin and against fnebm.energies.gaussian's own energy and gradient. The
-    sums run in another order (and the energy through P, not its Cholesky factor): float32
-    tolerance relative to the energy's size. Interpreted tl.dot is numpy: ~0.1 s each."""
-    mean, precision = _full_gaussian(d)
-    x = fr.normal(fr.key(3, DEVICE), batch + (d,))
-    energy, score = gaussian_energy_score(x, mean, precision)
-    twin_e, twin_s = gaussian_energy_score_torch(x, mean, precision)
-    torch.testing.assert_close(energy, twin_e, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(score, twin_s, rtol=1e-5, atol=1e-5)
-    g = E.gaussian(mean, precision=precision)
-    torch.testing.assert_close(energy, _over(g, x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(score, -_over(g.grad, x), rtol=1e-5, atol=1e-5)
-
-
-def test_gaussian_op_gradients_and_registration():
-    """The op's backward (x, mean, precision) against the twin's autograd, and opcheck's
-    schema / fake / autograd-registration / AOT checks (~1 s)."""
-    mean, precision = _full_gaussian(6, seed=7)
-    x = fr.normal(fr.key(8, DEVICE), (4, 6))
-    w_e, w_s = fr.normal(fr.key(9, DEVICE), (2, 4, 6))
-
-    def grads(fn):
-        args = [t.clone().requires_grad_() for t in (x, mean, precision)]
-        e, s = fn(*args)
-        ((e * w_e[:, 0]).sum() + (s * w_s).sum()).backward()
-        return [a.grad for a in args]
-
-    for a, b in zip(grads(gaussian_energy_score), grads(gaussian_energy_score_torch)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    torch.library.opcheck(torch.ops.fnebm.gaussian_energy_score.default,
-                          (x.requires_grad_(), mean, precision.requires_grad_()),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration",
-                                      "test_aot_dispatch_static"))
-    with pytest.raises(TypeError, match="float32"):
-        gaussian_energy_score(x.double(), mean.double(), precision.double())
-    with pytest.raises(ValueError, match="precision"):
-        gaussian_energy_score(x.detach(), mean, precision.detach()[:5])

@@ -1,23 +1,23 @@
-"""Hand-written kernels (Triton, and one in C for the CPU), each beside the pure-torch twin that defines it, registered as
-torch ops (``torch.ops.fnebm.*``) so they sit inside ``torch.compile`` graphs.
+"""Hand-written kernels (Triton, and C for the CPU), registered as torch ops (``torch.ops.fnebm.*``)
+so they sit inside ``torch.compile`` graphs. What each computes is a sampler's step: the tests run
+them against ``fnebm.chain.run`` of ``fnebm.langevin``, ``fnebm.mala`` and ``fnebm.nuts`` from the
+same keys.
 
-* :mod:`fnebm.kernels.langevin_update` — the fused Langevin/MALA proposal
-  ``x' = x - h grad + noise_scale sqrt(2 h) xi`` with the noise drawn in-kernel from the
-  :mod:`fnebm.random` Philox stream (same key, same noise as the twin).
-* :mod:`fnebm.kernels.langevin_chain` — whole Langevin or MALA chains in one launch for the
-  separable analytic energies (double well, harmonic, diagonal Gaussian, Rastrigin): positions
-  in registers, noise and uniforms in-kernel, kept draws written straight into the trace.
-* :mod:`fnebm.kernels.gaussian` — energy and score of a Gaussian with a full precision matrix
-  for a batch in one pass (``tl.dot``).
+* :mod:`fnebm.kernels.families` — the analytic energy families the kernels compute in closed form:
+  each family's id, energy type, parameter packing and engines, declared once.
+* :mod:`fnebm.kernels.langevin_chain` — whole Langevin or MALA chains in one Triton launch for
+  the separable families: positions in registers, noise and uniforms in-kernel, kept draws
+  written straight into the trace.
 * :mod:`fnebm.kernels.cpu_chain` — the CPU counterpart of ``langevin_chain``: whole Langevin or
-  MALA chains in C (``_cpu_chain.c``, OpenMP, vectorised over blocks of 16 chains) for the
-  double well, harmonic, Rastrigin and Gaussian energies, built with the system C compiler on
-  first use and called through ctypes; the op ``torch.ops.fnebm.cpu_chain``
-  (``cpu_chain.langevin_chain`` / ``cpu_chain.mala_chain``) puts it in compiled graphs.
+  MALA chains in C (``_cpu_chain.c``, OpenMP, vectorised over blocks of 16 chains), built with
+  the system C compiler on first use and called through ctypes; the op
+  ``torch.ops.fnebm.cpu_chain`` (``cpu_chain.langevin_chain`` / ``cpu_chain.mala_chain``) puts
+  it in compiled graphs.
+* :mod:`fnebm.kernels.cpu_nuts` — one NUTS transition of every chain in C (``_cpu_nuts.c``).
 
-The twins import without triton; the kernels and ops need it (``HAS_TRITON``).
-``fnebm.sample_chain(..., backend=)`` (:mod:`fnebm.chain.backend`) dispatches to the whole-chain
-kernels; see docs/kernels.md for the rules.
+The Triton kernels and ops need triton (``HAS_TRITON``).
+``fnebm.sample_chain(..., backend=)`` dispatches to the kernels (:mod:`fnebm.kernels.dispatch`, the
+table of fast paths); see docs/kernels.md for the rules.
 """
 
 import importlib as _importlib
@@ -27,17 +27,11 @@ import types as _types
 # Names load on first use (PEP 562): importing triton and registering the Triton ops takes about
 # 1.5 s, which a CPU run of the C kernel (fnebm.kernels.cpu_chain) should not pay.
 _WHERE = {
-    "gaussian_energy_score": "gaussian",
-    "gaussian_energy_score_torch": "gaussian",
     "LangevinChain": "langevin_chain",
     "MALAChain": "langevin_chain",
     "langevin_chain": "langevin_chain",
-    "langevin_chain_torch": "langevin_chain",
     "mala_chain": "langevin_chain",
-    "mala_chain_torch": "langevin_chain",
-    "HAS_TRITON": "langevin_update",
-    "langevin_update": "langevin_update",
-    "langevin_update_torch": "langevin_update",
+    "HAS_TRITON": "langevin_chain",
 }
 
 
@@ -65,10 +59,10 @@ def __dir__():
     return sorted({n for n in globals() if not n.startswith("_")} | set(_WHERE))
 
 
-# Two submodules share their names with functions they define (langevin_chain, langevin_update).
-# The import system records a loaded submodule on its package; this package keeps those two
-# names for the functions, as it always has (import the modules with importlib.import_module).
-_SHADOWED = {"langevin_chain", "langevin_update"}
+# A submodule shares its name with a function it defines (langevin_chain). The import system
+# records a loaded submodule on its package; this package keeps the name for the function, as it
+# always has (import the module with importlib.import_module).
+_SHADOWED = {"langevin_chain"}
 
 
 class _Package(_types.ModuleType):
@@ -83,14 +77,8 @@ _sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "HAS_TRITON",
-    "langevin_update",
-    "langevin_update_torch",
     "LangevinChain",
     "MALAChain",
     "langevin_chain",
-    "langevin_chain_torch",
     "mala_chain",
-    "mala_chain_torch",
-    "gaussian_energy_score",
-    "gaussian_energy_score_torch",
 ]

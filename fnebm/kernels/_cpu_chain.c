@@ -10,8 +10,8 @@
  *
  * Built by fnebm/kernels/cpu_chain.py with the system C compiler (-O2 -march=native -fopenmp; log,
  * exp, sin and cos are Cephes' polynomials in _cpu_common.h, written so that GCC vectorises them) and called
- * through ctypes, which releases the GIL. The pure-torch twins that define it are
- * langevin_chain_torch and mala_chain_torch.
+ * through ctypes, which releases the GIL. What it computes is fnebm.langevin's and fnebm.mala's steps
+ * (tests/test_cpu_chain.py runs both from the same keys).
  */
 #include "_cpu_common.h"
 
@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
 }
 
 /* The file is compiled twice, in parallel: -DFNEBM_MALA=0 gives fnebm_langevin_chain, -DFNEBM_MALA=1
- * fnebm_mala_chain (each holds three specialised copies of run_block). */
+ * fnebm_mala_chain (each holds a specialised copy of run_block per family). */
 #ifndef FNEBM_MALA
 #error "compile with -DFNEBM_MALA=0 (Langevin) or -DFNEBM_MALA=1 (MALA)"
 #endif
@@ -275,16 +275,11 @@ int ENTRY(const args_t *a, int family, int n_threads) {
             if (buf == NULL)
                 continue;
             int64_t c0 = blk * CB;
-            if (family == DOUBLE_WELL)
-                run_block(a, c0, buf, DOUBLE_WELL, FNEBM_MALA);
-            else if (family == HARMONIC)
-                run_block(a, c0, buf, HARMONIC, FNEBM_MALA);
-            else if (family == GAUSSIAN)
-                run_block(a, c0, buf, GAUSSIAN, FNEBM_MALA);
-            else if (family == RASTRIGIN)
-                run_block(a, c0, buf, RASTRIGIN, FNEBM_MALA);
-            else
-                run_block(a, c0, buf, GAUSSIAN_FULL, FNEBM_MALA);
+            /* one specialised copy of run_block per family */
+#define FNEBM_RUN(NAME, ID, TERM, TOTAL) if (family == NAME) run_block(a, c0, buf, NAME, FNEBM_MALA); else
+            FNEBM_SEPARABLE(FNEBM_RUN)
+            run_block(a, c0, buf, GAUSSIAN_FULL, FNEBM_MALA);
+#undef FNEBM_RUN
         }
         free(buf);
     }

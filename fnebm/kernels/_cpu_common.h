@@ -1,6 +1,6 @@
 /* What the CPU kernels share: the fnebm.random stream (Philox4x32-10, fold_in, split, the
  * uniform and Box-Muller conversions) and Cephes' float log/exp/sin/cos written so that GCC
- * vectorises them; the energy families' numbers. Included by _cpu_chain.c and _cpu_nuts.c. */
+ * vectorises them; the energy families (FNEBM_SEPARABLE). Included by _cpu_chain.c and _cpu_nuts.c. */
 #ifndef FNEBM_CPU_COMMON_H
 #define FNEBM_CPU_COMMON_H
 
@@ -23,9 +23,6 @@
 #define NORMAL_FLOOR 1.0e-7f
 #define TWO_PI 6.283185307179586f
 
-/* the energy families, numbered as fnebm.kernels.langevin_chain numbers them; GAUSSIAN_FULL, a
- * Gaussian with a full Cholesky factor L of its precision, is this kernel's own */
-enum { DOUBLE_WELL = 0, HARMONIC = 1, GAUSSIAN = 2, RASTRIGIN = 3, GAUSSIAN_FULL = 4 };
 
 /* one Philox4x32 round; the key words advance after it */
 #define PHILOX_ROUND(c0, c1, c2, c3, k0, k1)                           \
@@ -144,41 +141,69 @@ static inline float vexpf(float x) {
     } while (0)
 
 
-/* The closed forms of the separable families at one element p: q, its term of the energy's sum, and
- * n, the gradient there. va, vb, vc: the double well's (h, b, -), the harmonic's (k, -, -),
- * Rastrigin's (a, -, -), or the diagonal Gaussian's mean, precision and its square root at this
- * element. Inlined with a constant family, so the loops around it vectorise. */
+/* The separable families, each once: X(NAME, id, term, total). `term` sets *q, element p's summand
+ * of the energy, and *n, the gradient there, from the element's parameters va, vb, vc (a scalar
+ * family's pa, pb, pb; the diagonal Gaussian's mean, precision and its square root at the element);
+ * `total` is the energy from the summands' sum acc, pa and d. The ids, names and parameter packing
+ * are fnebm/kernels/families.py's (tests/test_kernel_families.py checks them against this list);
+ * the enum, separable_term, separable_energy and both kernels' dispatch are made from it. A term
+ * has no comma outside parentheses (it is a macro argument). */
+#define FNEBM_SEPARABLE(X)                                                                                  \
+    /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */                                                    \
+    X(DOUBLE_WELL, 0, {                                                                                     \
+        float r = p * p - vb * vb;                                                                          \
+        *q = r * r;                                                                                         \
+        *n = 4.0f * va * p * r;                                                                             \
+    }, pa * acc)                                                                                            \
+    /* 0.5 k |x|^2; grad k x */                                                                             \
+    X(HARMONIC, 1, {                                                                                        \
+        *q = p * p;                                                                                         \
+        *n = va * p;                                                                                        \
+    }, 0.5f * pa * acc)                                                                                     \
+    /* diagonal: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */                                           \
+    X(GAUSSIAN, 2, {                                                                                        \
+        float delta = p - va;                                                                               \
+        float y = delta * vc;                                                                               \
+        *q = y * y;                                                                                         \
+        *n = delta * vb;                                                                                    \
+    }, 0.5f * acc)                                                                                          \
+    /* a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x). cos and sin have period 1 in x:       \
+     * reduce first, exactly for x >= 0; a p that is not finite gives u = 0, not a NaN cast to int */      \
+    X(RASTRIGIN, 3, {                                                                                       \
+        float u = p - floorf(p);                                                                            \
+        uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f);                                                  \
+        u = as_f32(as_u32(u) & ~nan);                                                                       \
+        float sv;                                                                                           \
+        float cv;                                                                                           \
+        VSINCOSF(TWO_PI * u, sv, cv);                                                                       \
+        *q = p * p - va * cv;                                                                               \
+        *n = 2.0f * p + TWO_PI * va * sv;                                                                   \
+    }, pa * (float)d + acc)
+
+/* the families' numbers: the separable ones, then GAUSSIAN_FULL, a Gaussian with a full factor L of
+ * its precision (vectors: mean, then L row-major; its code is in each kernel) */
+#define FNEBM_ENUM(NAME, ID, TERM, TOTAL) NAME = ID,
+enum { FNEBM_SEPARABLE(FNEBM_ENUM) GAUSSIAN_FULL = 4 };
+#undef FNEBM_ENUM
+
+/* The term of a separable family at one element p (FNEBM_SEPARABLE). Inlined with a constant
+ * family, so the loops around it vectorise. */
 static inline __attribute__((always_inline)) void separable_term(const int family, float p, float va, float vb,
                                                                  float vc, float *q, float *n) {
-    if (family == DOUBLE_WELL) { /* h (x^2 - b^2)^2 summed; grad 4 h x (x^2 - b^2) */
-        float r = p * p - vb * vb;
-        *q = r * r;
-        *n = 4.0f * va * p * r;
-    } else if (family == HARMONIC) { /* 0.5 k |x|^2; grad k x */
-        *q = p * p;
-        *n = va * p;
-    } else if (family == GAUSSIAN) { /* diagonal: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P */
-        float delta = p - va, y = delta * vc;
-        *q = y * y;
-        *n = delta * vb;
-    } else { /* Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x) */
-        float u = p - floorf(p); /* cos and sin have period 1 in x: reduce first, exactly for x >= 0 */
-        uint32_t nan = 0u - (uint32_t)!(fabsf(u) <= 1.0f); /* p not finite: 0, not a NaN cast to int */
-        u = as_f32(as_u32(u) & ~nan);
-        float sv, cv;
-        VSINCOSF(TWO_PI * u, sv, cv);
-        *q = p * p - va * cv;
-        *n = 2.0f * p + TWO_PI * va * sv;
+#define FNEBM_TERM(NAME, ID, TERM, TOTAL) if (family == NAME) TERM else
+    FNEBM_SEPARABLE(FNEBM_TERM) {
+        *q = 0.0f; /* not a separable family: not called */
+        *n = 0.0f;
     }
+#undef FNEBM_TERM
 }
 
-/* The energy from the sum of the separable terms (pa: h, k or a) */
+/* The energy from the sum of the terms (pa: scalars[0]); GAUSSIAN_FULL's acc is |L^T (x - mean)|^2 */
 static inline __attribute__((always_inline)) float separable_energy(const int family, float acc, float pa,
                                                                     int64_t d) {
-    return family == DOUBLE_WELL ? pa * acc
-         : family == HARMONIC    ? 0.5f * pa * acc
-         : family == RASTRIGIN   ? pa * (float)d + acc
-                                 : 0.5f * acc;
+#define FNEBM_TOTAL(NAME, ID, TERM, TOTAL) family == NAME ? (TOTAL) :
+    return FNEBM_SEPARABLE(FNEBM_TOTAL) 0.5f * acc;
+#undef FNEBM_TOTAL
 }
 
 #endif

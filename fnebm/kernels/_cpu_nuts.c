@@ -94,14 +94,9 @@ static inline __attribute__((always_inline)) float energy_grad(const int family,
 static float energy_grad_any(int family, const float *restrict sc, const float *restrict vec, int64_t d,
                              const float *restrict x, float *restrict g, float *restrict tmp) {
     switch (family) {
-    case DOUBLE_WELL:
-        return energy_grad(DOUBLE_WELL, sc, vec, d, x, g, tmp);
-    case HARMONIC:
-        return energy_grad(HARMONIC, sc, vec, d, x, g, tmp);
-    case GAUSSIAN:
-        return energy_grad(GAUSSIAN, sc, vec, d, x, g, tmp);
-    case RASTRIGIN:
-        return energy_grad(RASTRIGIN, sc, vec, d, x, g, tmp);
+#define FNEBM_CASE(NAME, ID, TERM, TOTAL) case NAME: return energy_grad(NAME, sc, vec, d, x, g, tmp);
+    FNEBM_SEPARABLE(FNEBM_CASE)
+#undef FNEBM_CASE
     default:
         return energy_grad(GAUSSIAN_FULL, sc, vec, d, x, g, tmp);
     }

@@ -1,7 +1,6 @@
 """Whole chains of unadjusted Langevin or MALA on the CPU, in C: the CPU counterpart of the Triton kernel.
 
-For an analytic energy — :class:`~fnebm.energies.DoubleWell`, :class:`~fnebm.energies.Harmonic`,
-:class:`~fnebm.energies.Rastrigin`, a :class:`~fnebm.energies.Gaussian` (diagonal or full) — the C kernel
+For an analytic energy of a family :mod:`fnebm.kernels.families` lists for ``"c_chain"``, the C kernel
 (``_cpu_chain.c`` beside this file) runs every step of a block of 16 chains with their
 positions and gradients in vector registers: the step's key ``fold_in(keys[c], t)``, the noise
 ``normal(key, (d,))`` of the :mod:`fnebm.random` stream (Philox4x32-10 and Box–Muller, as
@@ -10,12 +9,12 @@ divergence check (MALA: the split key, the accept/reject uniform and the proposa
 and the kept draws written straight into the trace. OpenMP spreads the blocks over
 ``torch.get_num_threads()`` threads.
 
-It computes what :func:`~fnebm.kernels.langevin_chain.langevin_chain_torch` and
-:func:`~fnebm.kernels.langevin_chain.mala_chain_torch` (the twins) define, to float tolerance:
-the Philox words are bit-identical, while ``log``, ``exp``, ``sin`` and ``cos`` are
-Cephes' single-precision polynomials (about 1 ulp) where the twin uses ATen's or Sleef's, so
-the normals differ in the last bits and a chain's positions drift apart by rounding over many
-steps, as the compiled and eager paths do.
+It computes what ``fnebm.langevin(energy, h, s).step`` and ``fnebm.mala(energy, h).step`` do
+from the same keys (tests/test_cpu_chain.py runs both), to float tolerance: the Philox words
+are bit-identical, while ``log``, ``exp``, ``sin`` and ``cos`` are Cephes' single-precision
+polynomials (about 1 ulp) where the samplers use ATen's or Sleef's, so the normals differ in the
+last bits and a chain's positions drift apart by rounding over many steps, as the compiled and
+eager paths do.
 
 **Built on first use** with the system C compiler (``$CC``, else ``cc``; build times in docs/performance.md) for this
 machine's CPU (``-march=native``), into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` under a name
@@ -32,16 +31,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
+from fnebm.kernels import families
 from fnebm.kernels._cbuild import FLAGS, CLibrary
 
 __all__ = ["available", "built", "build_seconds", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_chain.c")
 _HEADER = Path(__file__).with_name("_cpu_common.h")
-# The energy families, as the C kernel's `family` (fnebm.kernels.langevin_chain's numbering).
-_FAMILIES = {DoubleWell: 0, Harmonic: 1, Gaussian: 2, Rastrigin: 3}
-_GAUSSIAN_FULL = 4  # a Gaussian with a full Cholesky factor (the C kernel's own number)
 
 
 class _Args(ctypes.Structure):
@@ -87,29 +83,15 @@ def available() -> str | None:
 
 
 def covers(energy_fn) -> str | None:
-    """``None`` if the C kernel computes ``energy_fn`` in closed form, else why not (one phrase)."""
-    family = _FAMILIES.get(type(energy_fn))
-    if family is None:
-        return (f"the energy {type(energy_fn).__name__} is not one the C kernel computes in closed form "
-                "(DoubleWell, Harmonic, Gaussian, Rastrigin)")
-    return None
+    """``None`` if the C kernel computes ``energy_fn`` in closed form (a family of
+    :mod:`fnebm.kernels.families` for ``"c_chain"``), else why not (one phrase)."""
+    return families.covers(energy_fn, families.C_CHAIN)
 
 
 def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
-    family = _FAMILIES[type(energy_fn)]
-    if family == 2 and not energy_fn.is_diagonal:  # mean, then L row-major
-        vectors = torch.cat([energy_fn.mean.reshape(d), energy_fn.precision_tril.reshape(d * d)])
-        return _GAUSSIAN_FULL, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
-    if family == 2:
-        vectors = torch.stack([energy_fn.mean, energy_fn.precision, energy_fn.precision_tril]).reshape(3, d)
-        return family, torch.zeros(2, dtype=torch.float32), vectors.to(torch.float32).contiguous()
-    if family == 0:
-        p = torch.stack([energy_fn.barrier_height, energy_fn.b])
-    else:
-        p = energy_fn.k if family == 1 else energy_fn.a
-        p = torch.stack([p, p])
-    p = p.to(torch.float32).contiguous()
-    return family, p, p
+    """``(family id, scalars, vectors)`` as the C kernels read them (float32, contiguous)."""
+    family, scalars, vectors = families.pack(energy_fn, d)
+    return family, scalars.to(torch.float32).contiguous(), vectors.to(torch.float32).contiguous()
 
 
 def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
@@ -229,7 +211,7 @@ def _(x, energy, grad, keys, start, step_size, noise_scale, scalars, vectors, fa
 
 
 def _run_op(energy_fn, position, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
-    # the twins' checks (the module imports triton where it is installed, so not at import time here)
+    # the Triton launchers' checks (the module imports triton where it is installed, so not at import time here)
     from fnebm.kernels.langevin_chain import _check
 
     reason = covers(energy_fn)
@@ -253,9 +235,9 @@ def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, ke
     """Unadjusted Langevin, the whole run in one call of the C kernel (the op ``torch.ops.fnebm.cpu_chain``).
 
     Same arguments, meaning and result (a :class:`~fnebm.kernels.LangevinChain`) as
-    :func:`~fnebm.kernels.langevin_chain_torch`, for float32 CPU tensors and an energy :func:`covers`
-    says the C kernel computes; agrees with the twin to float tolerance. Metadata checks only: it
-    traces under ``torch.compile(fullgraph=True)``. Not differentiable.
+    :func:`fnebm.kernels.langevin_chain`, for float32 CPU tensors and an energy :func:`covers`
+    says the C kernel computes; agrees with ``fnebm.langevin``'s steps to float tolerance.
+    Metadata checks only: it traces under ``torch.compile(fullgraph=True)``. Not differentiable.
     """
     from fnebm.kernels.langevin_chain import LangevinChain
 
@@ -265,7 +247,7 @@ def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, ke
 
 def mala_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
                step_size: Tensor | float, *, n_steps: int, burn_in: int = 0, thin: int = 1):
-    """MALA, the whole run in one call of the C kernel; as :func:`~fnebm.kernels.mala_chain_torch`
+    """MALA, the whole run in one call of the C kernel; as :func:`fnebm.kernels.mala_chain`
     (a :class:`~fnebm.kernels.MALAChain`), for what :func:`langevin_chain` covers."""
     from fnebm.kernels.langevin_chain import MALAChain
 

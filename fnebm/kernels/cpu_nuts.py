@@ -1,8 +1,7 @@
 """One NUTS transition of every chain on the CPU, in C: each chain builds its own tree.
 
-For the energies :mod:`fnebm.kernels.cpu_chain` computes in closed form (double well, harmonic,
-Rastrigin, a Gaussian with a diagonal or full factor), the C kernel (``_cpu_nuts.c`` beside this
-file) runs the transition of :func:`fnebm.nuts` for one chain after another on
+For the energies of the families :mod:`fnebm.kernels.families` lists for ``"c_nuts"``, the C
+kernel (``_cpu_nuts.c`` beside this file) runs the transition of :func:`fnebm.nuts` for one chain after another on
 ``torch.get_num_threads()`` OpenMP threads: the momentum draw, every integrator step of the
 doubling trajectory with the energy and gradient in closed form, progressive and biased
 multinomial sampling, the generalised U-turn checks through popcount-indexed checkpoints (with
@@ -31,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm.kernels import _assume_constant_result, cpu_chain
+from fnebm.kernels import _assume_constant_result, cpu_chain, families
 from fnebm.kernels._cbuild import CLibrary
 
 __all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "MAX_COEFFICIENTS"]
@@ -90,7 +89,7 @@ def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key:
     the chains; ``inverse_mass_matrix``: ``(d,)`` / ``(*chains, d)``, or dense ``(d, d)`` /
     ``(*chains, d, d)``.
     """
-    reason = cpu_chain.covers(energy_fn)
+    reason = families.covers(energy_fn, families.C_NUTS)
     if reason is not None:
         return reason
     held = [position, energy, grad, key, step_size, inverse_mass_matrix,

@@ -1,23 +1,24 @@
 """Whole chains of Langevin or MALA in one launch, for separable analytic energies.
 
-For an energy whose gradient is elementwise in closed form — :class:`~fnebm.energies.DoubleWell`,
-:class:`~fnebm.energies.Harmonic`, a diagonal :class:`~fnebm.energies.Gaussian`,
-:class:`~fnebm.energies.Rastrigin` — one program of the Triton kernel holds a block of chains'
+For an energy whose gradient is elementwise in closed form — the families
+:mod:`fnebm.kernels.families` lists for ``"triton"`` — one program of the Triton kernel holds a block of chains'
 positions, energies and gradients in registers and runs *every* step of the chain: it draws
 the step's noise in-kernel from the :mod:`fnebm.random` stream, evaluates the energy and its
 gradient at the proposal, accepts or rejects (MALA) or drops a divergent move (Langevin), and
 writes the kept draws (burn-in, thinning) straight into the trace buffer. Memory traffic is the
 start state, the trace and the final state; nothing else.
 
-Three pieces, as in Triton's tutorials:
+Two pieces:
 
 * :func:`langevin_chain_kernel` — the ``@triton.jit`` kernel (``MALA`` a compile-time switch);
-* :func:`langevin_chain_torch` / :func:`mala_chain_torch` — the pure-torch twins that define it:
-  fnebm's Langevin and MALA kernels step for step, with the energy's closed-form ``__call__``
-  and ``grad`` in place of autograd;
 * :func:`langevin_chain` / :func:`mala_chain` — the launchers, registered as the torch ops
   ``torch.ops.fnebm.langevin_chain`` and ``torch.ops.fnebm.mala_chain`` (``triton_op`` with
-  ``wrap_triton`` on a GPU; ``custom_op`` with a fake under ``TRITON_INTERPRET=1``).
+  ``wrap_triton`` on a GPU; ``custom_op`` with a fake under ``TRITON_INTERPRET=1``), and
+  :func:`run_into`, the launch that :func:`fnebm.sample_chain` calls.
+
+What the kernel computes is defined by the samplers themselves: ``fnebm.langevin(energy, h,
+s).step`` and ``fnebm.mala(energy, h).step`` run with :func:`fnebm.chain.run` from the same keys
+(tests/test_kernels.py compares them under ``TRITON_INTERPRET=1``).
 
 **The same draws as fnebm's samplers.** Step ``t`` of chain ``c`` (``t`` counts from ``start``,
 e.g. ``ChainState.steps_taken``) uses the key ``k = fnebm.random.fold_in(keys[c], t)``, as
@@ -43,9 +44,9 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.energies.analytic import DoubleWell, Gaussian, Harmonic, Rastrigin
+from fnebm.kernels import families
 
-try:  # the twins work without triton; the kernel and the ops need it
+try:  # the module imports without triton (its checks and HAS_TRITON); the kernel and the ops need it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
@@ -61,14 +62,10 @@ __all__ = [
     "MALAChain",
     "covers",
     "langevin_chain",
-    "langevin_chain_torch",
     "mala_chain",
-    "mala_chain_torch",
+    "run_into",
 ]
 
-# The energy families, as the kernel's ENERGY constexpr.
-DOUBLE_WELL, HARMONIC, GAUSSIAN, RASTRIGIN = 0, 1, 2, 3
-_FAMILIES = {DoubleWell: DOUBLE_WELL, Harmonic: HARMONIC, Gaussian: GAUSSIAN, Rastrigin: RASTRIGIN}
 _DTYPES = (torch.float32,)
 # A program holds its chains' positions, gradients and proposals in registers: events past
 # this many elements would spill (one chain of 4096 is 16 warps of 8 values per array).
@@ -106,39 +103,18 @@ class MALAChain(NamedTuple):
 
 
 def covers(energy_fn) -> str | None:
-    """``None`` if the kernel computes ``energy_fn`` in closed form, else why not (one phrase).
-
-    Exact types only: a subclass may override ``__call__`` or ``grad``.
-    """
-    family = _FAMILIES.get(type(energy_fn))
-    if family is None:
-        return (f"the energy {type(energy_fn).__name__} is not one the kernel computes in closed form "
-                "(DoubleWell, Harmonic, a diagonal Gaussian, Rastrigin)")
-    if family == GAUSSIAN and not energy_fn.is_diagonal:
-        return "the Gaussian has a full precision matrix (not separable; the kernel covers diagonal ones)"
-    return None
+    """``None`` if the kernel computes ``energy_fn`` in closed form (a family of
+    :mod:`fnebm.kernels.families` for ``"triton"``), else why not (one phrase)."""
+    return families.covers(energy_fn, families.TRITON)
 
 
 def _params(energy_fn, d: int) -> tuple[int, Tensor, Tensor]:
-    """``(family, scalars (2,), vectors)``: the energy's parameters as the kernel reads them.
-
-    Scalar families put theirs in ``scalars`` (double well: barrier height, b; harmonic: k;
-    Rastrigin: a); the diagonal Gaussian puts ``mean, precision, sqrt(precision)`` in
-    ``vectors (3, d)``. Torch ops only (no host sync).
-    """
-    family = _FAMILIES[type(energy_fn)]
-    if family == GAUSSIAN:
-        vectors = torch.stack([energy_fn.mean, energy_fn.precision, energy_fn.precision_tril]).reshape(3, d)
-        return family, torch.zeros(2, dtype=vectors.dtype, device=vectors.device), vectors
-    if family == DOUBLE_WELL:
-        scalars = torch.stack([energy_fn.barrier_height, energy_fn.b])
-    else:
-        p = energy_fn.k if family == HARMONIC else energy_fn.a
-        scalars = torch.stack([p, torch.zeros_like(p)])
-    return family, scalars, scalars
+    """``(family id, scalars (2,), vectors)``: the energy's parameters as the kernel reads them
+    (:func:`fnebm.kernels.families.pack`). Torch ops only (no host sync)."""
+    return families.pack(energy_fn, d)
 
 
-# ------------------------------------------------------------------------------ the twins
+# ------------------------------------------------------------------------------ the checks
 
 
 def _tunable(name: str, value, like: Tensor, chains: tuple[int, ...]) -> Tensor:
@@ -166,8 +142,7 @@ def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_st
         got = getattr(x, "dtype", type(x).__name__)
         raise TypeError(f"position must be a floating-point tensor (*chains, d), got {got}")
     if dtypes is not None and x.dtype not in dtypes:
-        raise TypeError(f"position must have dtype in {[str(t) for t in dtypes]} for the Triton kernel, got {x.dtype} "
-                        "(the twins take any float dtype)")
+        raise TypeError(f"position must have dtype in {[str(t) for t in dtypes]} for the kernel, got {x.dtype}")
     fr.check_key(keys, "keys")
     chains = tuple(keys.shape[:-1])
     d = x.shape[-1]
@@ -200,83 +175,6 @@ def _check(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_st
     return chains, start, step_size, noise_scale
 
 
-def _over_chains(fn, x: Tensor) -> Tensor:
-    # an energy's one-sample function (x: (d,)) mapped over the chain axes, as the samplers do
-    for _ in range(x.ndim - 1):
-        fn = torch.func.vmap(fn)
-    return fn(x)
-
-
-def _chain_twin(energy_fn, x, energy, grad, keys, start, step_size, noise_scale, n_steps, burn_in, thin, mala):
-    d = x.shape[-1]
-    h = step_size.reshape(step_size.shape + (1,)) if step_size.ndim else step_size
-    scale = (noise_scale.reshape(noise_scale.shape + (1,)) if noise_scale.ndim else noise_scale) * (2.0 * h).sqrt()
-    h_chain = step_size  # () or chains: broadcasts against energies
-    first, n_kept = burn_in + thin - 1, n_steps // thin
-    trace, info = [], []
-    for i in range(burn_in + n_steps):
-        key = fr.fold_in(keys, start + i)
-        if mala:
-            pair = fr.split(key)
-            key, u_key = pair[..., 0, :], pair[..., 1, :]
-        proposal = x - h * grad + scale * fr.normal(key, (d,), x.dtype)
-        new_energy, new_grad = _over_chains(energy_fn, proposal), _over_chains(energy_fn.grad, proposal)
-        finite = new_energy.isfinite() & new_grad.isfinite().all(-1)
-        if mala:  # fnebm.samplers.mala.log_acceptance_ratio and proposal.metropolis_hastings
-            forward = proposal - x + h * grad
-            backward = x - proposal + h * new_grad
-            log_alpha = energy - new_energy + (forward * forward - backward * backward).sum(-1) / (4.0 * h_chain)
-            ok = finite & log_alpha.isfinite()
-            log_alpha = torch.where(ok, log_alpha, torch.full_like(log_alpha, -math.inf))
-            take = torch.log(fr.uniform(u_key, (), x.dtype)) < log_alpha
-            step_info = (torch.exp(torch.clamp_max(log_alpha, 0.0)), take, ~ok)
-        else:  # fnebm.samplers.langevin: a non-finite move is dropped
-            take = finite & proposal.isfinite().all(-1)
-            step_info = (~take,)
-        x = torch.where(take[..., None], proposal, x)
-        grad = torch.where(take[..., None], new_grad, grad)
-        energy = torch.where(take, new_energy, energy)
-        if i >= first and (i - first) % thin == 0 and len(trace) < n_kept:
-            trace.append(x)
-            info.append(step_info)
-    infos = tuple(torch.stack(col) for col in zip(*info))
-    return (x, energy, grad, torch.stack(trace)) + infos
-
-
-def langevin_chain_torch(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor,
-                         start: Tensor | int, step_size: Tensor | float, noise_scale: Tensor | float = 1.0, *,
-                         n_steps: int, burn_in: int = 0, thin: int = 1) -> LangevinChain:
-    """The twin of the Langevin kernel: ``burn_in + n_steps`` steps of fnebm's unadjusted Langevin.
-
-    position, grad: ``(*chains, d)``; energy: ``chains`` (E and dE/dx at ``position``); keys:
-    ``(*chains, 2)``; ``start``: the index of the first step in the chains' streams (int or a 0-dim
-    int64 tensor); step_size, noise_scale: 0-dim or ``chains``. Step ``t`` proposes
-    ``x - h grad + noise_scale sqrt(2h) normal(fold_in(keys, start + t), (d,))`` and moves unless
-    the proposal, its energy or its gradient is not finite. Draw ``j`` is the position after step
-    ``burn_in + (j + 1) thin - 1``, as in :func:`fnebm.sample_chain`. Any float dtype.
-    """
-    _, start, h, s = _check(energy_fn, position, energy, grad, keys, start, step_size, noise_scale,
-                            n_steps, burn_in, thin, dtypes=None)
-    return LangevinChain(*_chain_twin(energy_fn, position, energy, grad, keys, start, h, s, n_steps, burn_in,
-                                      thin, mala=False))
-
-
-def mala_chain_torch(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor,
-                     start: Tensor | int, step_size: Tensor | float, *, n_steps: int, burn_in: int = 0,
-                     thin: int = 1) -> MALAChain:
-    """The twin of the MALA kernel: ``burn_in + n_steps`` steps of :mod:`fnebm.samplers.mala`.
-
-    Arguments as :func:`langevin_chain_torch` (no noise scale). Step ``t`` splits
-    ``fold_in(keys, start + t)`` into ``(k0, k1)``, proposes with ``normal(k0, (d,))`` and accepts
-    when ``log uniform(k1, ()) < log alpha``; a proposal with a non-finite energy, gradient or
-    ``log alpha`` is rejected and reported divergent.
-    """
-    _, start, h, s = _check(energy_fn, position, energy, grad, keys, start, step_size, 1.0,
-                            n_steps, burn_in, thin, dtypes=None)
-    return MALAChain(*_chain_twin(energy_fn, position, energy, grad, keys, start, h, s, n_steps, burn_in,
-                                  thin, mala=True))
-
-
 # ------------------------------------------------------------------------------ the kernel
 
 
@@ -302,6 +200,13 @@ if HAS_TRITON:
     _TWO_PI: tl.constexpr = tl.constexpr(6.283185307179586)
     _INF: tl.constexpr = tl.constexpr(float("inf"))
     _NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+    # The families' ids (fnebm.kernels.families), as the constexprs ENERGY is compared with
+    # (tests/test_kernel_families.py checks each against the table).
+    _IDS = families.ids(families.TRITON)
+    _DOUBLE_WELL: tl.constexpr = tl.constexpr(_IDS["DOUBLE_WELL"])
+    _HARMONIC: tl.constexpr = tl.constexpr(_IDS["HARMONIC"])
+    _GAUSSIAN: tl.constexpr = tl.constexpr(_IDS["GAUSSIAN"])
+    _RASTRIGIN: tl.constexpr = tl.constexpr(_IDS["RASTRIGIN"])
 
     @triton.jit
     def _seed(w0, w1):
@@ -319,7 +224,7 @@ if HAS_TRITON:
     @triton.jit
     def _lane_params(v_ptr, s_ptr, d, i, live, ENERGY: tl.constexpr):
         # The parameters one lane's elements see: per element for the Gaussian, else scalars.
-        if ENERGY == 2:
+        if ENERGY == _GAUSSIAN:
             pa = tl.load(v_ptr + i, mask=live, other=0.0)
             pb = tl.load(v_ptr + d + i, mask=live, other=0.0)
             pc = tl.load(v_ptr + 2 * d + i, mask=live, other=0.0)
@@ -333,19 +238,19 @@ if HAS_TRITON:
     def _terms(x, live, pa, pb, pc, ENERGY: tl.constexpr):
         """Per element: the energy's summand (0 past the event) and the gradient, as the
         energies' closed forms in fnebm.energies.analytic compute them."""
-        if ENERGY == 0:  # double well: h (x^2 - b^2)^2 summed, times h after; grad 4 h x (x^2 - b^2)
+        if ENERGY == _DOUBLE_WELL:  # double well: h (x^2 - b^2)^2 summed, times h after; grad 4 h x (x^2 - b^2)
             r = x * x - pb * pb
             e = r * r
             g = 4.0 * pa * x * r
-        elif ENERGY == 1:  # harmonic: 0.5 k |x|^2; grad k x
+        elif ENERGY == _HARMONIC:  # harmonic: 0.5 k |x|^2; grad k x
             e = x * x
             g = pa * x
-        elif ENERGY == 2:  # diagonal Gaussian: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P
+        elif ENERGY == _GAUSSIAN:  # diagonal Gaussian: 0.5 |(x - mean) sqrt(P)|^2; grad (x - mean) P
             delta = x - pa
             y = delta * pc
             e = y * y
             g = delta * pb
-        else:  # Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x)
+        elif ENERGY == _RASTRIGIN:  # Rastrigin: a d + sum(x^2 - a cos(2 pi x)); grad 2 x + 2 pi a sin(2 pi x)
             w = _TWO_PI * x
             e = x * x - pa * tl.cos(w)
             g = 2.0 * x + _TWO_PI * pa * tl.sin(w)
@@ -353,13 +258,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _energy(total, s_ptr, d, ENERGY: tl.constexpr):
-        if ENERGY == 0:
+        if ENERGY == _DOUBLE_WELL:
             out = tl.load(s_ptr) * total
-        elif ENERGY == 1:
+        elif ENERGY == _HARMONIC:
             out = 0.5 * tl.load(s_ptr) * total
-        elif ENERGY == 2:
+        elif ENERGY == _GAUSSIAN:
             out = 0.5 * total
-        else:
+        elif ENERGY == _RASTRIGIN:
             out = tl.load(s_ptr) * d + total
         return out
 
@@ -572,7 +477,7 @@ if HAS_TRITON:
         return _whole_run(x, energy, grad, keys, start, step_size, one, scalars, vectors, family, True,
                           n_steps, burn_in, thin)
 
-    # As fnebm.kernels.langevin_update: under TRITON_INTERPRET=1 torch's wrap_triton hands the
+    # Under TRITON_INTERPRET=1 torch's wrap_triton hands the
     # InterpretedFunction back unwrapped, so there the ops are opaque custom_ops with explicit
     # fakes; with a real Triton backend they are triton_ops that torch.compile traces into.
     INTERPRETED = not isinstance(langevin_chain_kernel, triton.runtime.jit.JITFunction)
@@ -599,8 +504,8 @@ else:  # pragma: no cover
 
 def _need_triton():
     if not HAS_TRITON:
-        raise RuntimeError("the whole-chain kernels need triton; langevin_chain_torch / mala_chain_torch "
-                           "compute the same without it")
+        raise RuntimeError("the whole-chain kernels need triton; fnebm.sample_chain runs the samplers "
+                           "without it")
 
 
 def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Tensor, start: Tensor | int,
@@ -608,11 +513,19 @@ def langevin_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, ke
                    thin: int = 1) -> LangevinChain:
     """Unadjusted Langevin, the whole run in one launch (the op ``torch.ops.fnebm.langevin_chain``).
 
-    Same arguments and meaning as :func:`langevin_chain_torch`, for float32 positions of at most
-    :data:`MAX_DIM` elements per chain on a device Triton runs on, and an energy :func:`covers`
-    says it computes. Positions agree with the twin to float tolerance (the normals agree to
-    about 2 ulp, the closed forms are evaluated in another order). Metadata checks only: it
-    traces under ``torch.compile(fullgraph=True)``. Not differentiable (no autograd formula).
+    position, grad: ``(*chains, d)``; energy: ``chains`` (E and dE/dx at ``position``); keys:
+    ``(*chains, 2)``; ``start``: the index of the first step in the chains' streams (int or a 0-dim
+    int64 tensor); step_size, noise_scale: 0-dim or ``chains``. Runs ``burn_in + n_steps`` steps
+    of ``fnebm.langevin(energy_fn, step_size, noise_scale).step``: step ``t`` proposes ``x - h grad
+    + noise_scale sqrt(2h) normal(fold_in(keys, start + t), (d,))`` and moves unless the proposal,
+    its energy or its gradient is not finite. Draw ``j`` is the position after step ``burn_in + (j
+    + 1) thin - 1``, as in :func:`fnebm.sample_chain`.
+
+    For float32 positions of at most :data:`MAX_DIM` elements per chain on a device Triton runs
+    on, and an energy :func:`covers` says it computes. Positions agree with the sampler's to float
+    tolerance (the normals agree to about 2 ulp, the closed forms are evaluated in another
+    order). Metadata checks only: it traces under ``torch.compile(fullgraph=True)``. Not
+    differentiable (no autograd formula).
     """
     _need_triton()
     _, start, h, s = _check(energy_fn, position, energy, grad, keys, start, step_size, noise_scale,
@@ -627,8 +540,12 @@ def mala_chain(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: 
     """MALA, the whole run in one launch (the op ``torch.ops.fnebm.mala_chain``): the energy
     difference, the proposal densities and the accept/reject of every chain happen in the kernel.
 
-    Same arguments and meaning as :func:`mala_chain_torch`; what the kernel covers as
-    :func:`langevin_chain`. The uniforms are bit-identical to ``fnebm.random.uniform``'s.
+    Arguments as :func:`langevin_chain` (no noise scale); runs ``fnebm.mala(energy_fn,
+    step_size).step``: step ``t`` splits ``fold_in(keys, start + t)`` into ``(k0, k1)``, proposes
+    with ``normal(k0, (d,))`` and accepts when ``log uniform(k1, ()) < log alpha``; a proposal
+    with a non-finite energy, gradient or ``log alpha`` is rejected and reported divergent. What
+    the kernel covers as :func:`langevin_chain`. The uniforms are bit-identical to
+    ``fnebm.random.uniform``'s.
     """
     _need_triton()
     _, start, h, _ = _check(energy_fn, position, energy, grad, keys, start, step_size, 1.0,
@@ -643,7 +560,7 @@ def run_into(energy_fn, position: Tensor, energy: Tensor, grad: Tensor, keys: Te
              first: int, thin: int, n_keep: int, j0: int) -> tuple[Tensor, Tensor, Tensor]:
     """The launch without the op, writing the kept draws into ``outputs = (trace, *info)``.
 
-    For :mod:`fnebm.chain.backend`, which runs a :func:`fnebm.sample_chain` call in launches of a
+    For :mod:`fnebm.chain.engines`, which runs a :func:`fnebm.sample_chain` call in launches of a
     chunk each and fills the run's own (or the caller's ``out=``) buffers in place: ``trace
     (draws, *chains, d)`` and the info ``(draws, *chains)`` (MALA: acceptance rate, is_accepted,
     is_divergent; Langevin: is_divergent), contiguous. Steps ``0 .. n_total - 1`` of the launch
