@@ -156,11 +156,11 @@ def nuts(
 
     ``backend``: which code runs a transition. ``"auto"`` (default) takes the C kernel of
     :mod:`fnebm.kernels.cpu_nuts` where it applies — CPU float32 tensors, an energy the C kernels
-    compute in closed form (:class:`~fnebm.energies.Gaussian`, :class:`~fnebm.energies.DoubleWell`,
-    :class:`~fnebm.energies.Harmonic`, :class:`~fnebm.energies.Rastrigin`), no ``torch.func``
+    compute in closed form (the table :data:`fnebm.kernels.families.FAMILIES`), no ``torch.func``
     transform and no gradient through the step — where each chain builds its own tree instead of
     waiting in lockstep for the longest one; elsewhere the torch kernel (:func:`build_kernel`).
-    ``"c"`` insists on the C kernel (``ValueError`` naming what prevents it); ``"torch"`` always runs
+    ``"c"`` insists on the C kernel (:class:`~fnebm.kernels.dispatch.BackendUnavailable`, a
+    ``ValueError``, naming what prevents it); ``"torch"`` always runs
     the torch kernel. Both compute the same transition from the same keys, to float tolerance.
     Returns ``SamplingAlgorithm(init, step)``: ``init(position: (d,)) -> NUTSState`` for one
     chain, ``step(state, keys: (*chains, 2)) -> (NUTSState, NUTSInfo)``.
