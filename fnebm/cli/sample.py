@@ -1,7 +1,7 @@
 """``fnebm sample`` and ``fnebm demo``: the entry point. The options and their checks are in
 :mod:`fnebm.cli.options`, the run in :mod:`fnebm.cli.run`, its statistics in :mod:`fnebm.cli.stats`,
 what is printed in :mod:`fnebm.cli.report`, the plot in :mod:`fnebm.cli.plotting`, and what the
-command reads of the library's dispatch in :mod:`fnebm.cli.dispatch`."""
+command reads of a call's plan in :mod:`fnebm.cli.plan`."""
 
 from __future__ import annotations
 
