@@ -28,9 +28,8 @@ torch.set_num_threads(int(os.environ.get("FNEBM_TEST_THREADS", "1")))
 import fnebm
 from fnebm import energies as E
 
-# sample_chain's default cache compiles in the background under compile="auto" (a thread that
-# would go on compiling through later tests): the tests that want it say so with a cache of their own
-fnebm.chain.default_cache.background = False
+# no test compiles in the background unless it says so with a cache of its own (the default cache waits)
+assert fnebm.chain.default_cache.background is False
 from fnebm import random as fr
 
 F64 = torch.float64

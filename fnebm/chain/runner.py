@@ -266,13 +266,17 @@ class RunnerCache:
     on-disk cache and about 6 s with a warm one — and 0 for any other backend, so that ``auto``
     always compiles with a debugging or counting backend).
 
-    ``background`` (``True`` for :data:`default_cache`, the cache ``sample_chain`` uses unless
-    given one; ``False`` by default for a cache you make): when ``compile="auto"`` decides to compile, the compile runs
-    in a background thread and the steps go on eagerly (the same keys, the same draws up to float
-    rounding); a call whose compile finishes switches to the compiled runner at its next chunk
-    (``on_plan`` is told, with a revised plan), and later calls run compiled from the start. A
-    compile that fails there is warned of once (:class:`CompileFallbackWarning`) and the steps
-    stay eager. ``False``: the call that decides to compile waits for it, as ``compile=True`` does.
+    ``background`` (default ``False``; experimental): when ``compile="auto"`` decides to compile,
+    the compile runs in a background thread and the steps go on eagerly (the same keys, the same
+    draws up to float rounding); a call whose compile finishes switches to the compiled runner at
+    its next chunk (``on_plan`` is told, with a revised plan), and later calls run compiled from
+    the start; a compile that fails there is warned of once (:class:`CompileFallbackWarning`) and
+    the steps stay eager. **Not safe with ``nn.Module`` energies:** while it traces, torch's FX
+    tracer patches ``nn.Module.__call__`` for the whole process, and a module called on another
+    thread meanwhile (the eager steps, or your training loop) fails ("module is not installed as
+    a submodule"). On 2 cores the eager steps also ran about 4x slower while it compiled. Use it
+    for energies written as functions, on a machine with cores to spare. ``False``: the call that
+    decides to compile waits for it (announced by a :class:`CompileNotice`), as ``compile=True`` does.
     """
 
     def __init__(self, maxsize: int = 64, backend: Any = "inductor", compile_estimate_s: float | None = None,
@@ -359,7 +363,6 @@ class RunnerCache:
         run = self.get(key)
 
         def work():
-            _responsive(+1)
             try:
                 run(*args)
             except Exception as exc:  # noqa: BLE001 - any failure of the compile: the steps stay eager
@@ -368,7 +371,6 @@ class RunnerCache:
                 ledger.compiled = True
             finally:
                 ledger.pending = None
-                _responsive(-1)
 
         ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
         ledger.pending.start()
@@ -444,29 +446,7 @@ class RunnerCache:
             self.compile_s.clear()
 
 
-default_cache = RunnerCache(background=True)
-
-
-# While a compile runs in the background, the thread that runs the eager steps waits for the GIL
-# after every torch op that released it, up to the interpreter's switch interval (5 ms by default)
-# while Dynamo's tracing, pure Python, holds it: a step of ~30 ops then waited ~150 ms (an MLP
-# chain's eager call went from 2.8 s to 20 s). A short interval while it runs keeps that wait small.
-_SWITCH_INTERVAL_S = 1e-4
-_switch = {"count": 0, "saved": None}
-_switch_lock = threading.Lock()
-
-
-def _responsive(change: int) -> None:
-    import sys
-
-    with _switch_lock:
-        if change > 0 and _switch["count"] == 0:
-            _switch["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch["saved"], _SWITCH_INTERVAL_S))
-        _switch["count"] += change
-        if change < 0 and _switch["count"] == 0 and _switch["saved"] is not None:
-            sys.setswitchinterval(_switch["saved"])
-            _switch["saved"] = None
+default_cache = RunnerCache()
 
 
 class CompileNotice(UserWarning):

@@ -18,11 +18,6 @@ from fnebm.kernels.dispatch import BackendUnavailable
 
 
 def _sample(args: argparse.Namespace) -> int:
-    import fnebm.chain
-
-    # the command's calls wait for a compile they start (a line on the terminal says so first); in
-    # the background it would share the CPU with the steps it reports on
-    fnebm.chain.default_cache.background = False
     return run_launched(args.device, lambda where: _sample_on(args, where))
 
 
