@@ -42,6 +42,9 @@ for name, module in (("cpu_chain", cpu_chain), ("cpu_nuts", cpu_nuts)):
     why = module.available()
     assert why is None, f"{name} did not build from the installed wheel: {why}"
     assert module.build_seconds() > 0, f"{name} was not built now (FNEBM_CACHE_DIR is not fresh)"
+# the eager draws' C library (fnebm.random falls back to NumPy without a word if it cannot build)
+from fnebm import _random_cpu
+assert _random_cpu.load() is not None, f"cpu_random did not build from the installed wheel: {_random_cpu.LIBRARY.why}"
 
 # the chain kernel against the eager steps, the NUTS kernel against the torch kernel
 alg = fnebm.mala(energies.harmonic(2.0), 0.2)

@@ -63,7 +63,7 @@ def rwm(energy_fn, step_size, inverse_mass_matrix=None):
         inverse_mass_matrix = inverse_mass_matrix.inverse_mass_matrix
     return SamplingAlgorithm(
         functools.partial(rwm_init, energy_fn=energy_fn),
-        Step.of("rwm", rwm_kernel, state_type=RWMState, info_type=RWMInfo,
+        Step.of("rwm", rwm_kernel, caches_energy=True, state_type=RWMState, info_type=RWMInfo,
                 tunables=("step_size", "inverse_mass_matrix"), energy_fn=energy_fn, step_size=step_size,
                 inverse_mass_matrix=inverse_mass_matrix))
 
@@ -110,8 +110,18 @@ def test_the_cd_loss_trains_with_it():
     sampler = functools.partial(rwm, step_size=0.5)
     loss, aux = losses.contrastive_divergence(model, batch, fr.key(6), sampler=sampler, n_steps=5)
     assert loss.ndim == 0 and math.isfinite(float(loss)) and type(aux.info) is RWMInfo
-    # the positives' energies came from the sampler's init (cached), equal to the model's own
+    # the positives' energies came from the sampler's init (it declares caches_energy), equal to the model's own
     torch.testing.assert_close(aux.positive_energy, torch.func.vmap(model)(batch))
+    # a sampler whose state's `energy` is something else (here the negated energy) and says nothing:
+    # the loss computes the positives' energies itself, so the loss is the same
+    def negated(energy_fn, step_size):
+        alg = rwm(energy_fn, step_size)
+        init = lambda x: RWMState(x, -energy_fn(x))  # noqa: E731
+        return SamplingAlgorithm(init, Step.of("rwm", rwm_kernel, state_type=RWMState, info_type=RWMInfo,
+                                               tunables=("step_size", "inverse_mass_matrix"), **alg.step.keywords))
+    loss2, aux2 = losses.contrastive_divergence(model, batch, fr.key(6), sampler=functools.partial(negated, step_size=0.5),
+                                                n_steps=1)
+    torch.testing.assert_close(aux2.positive_energy, torch.func.vmap(model)(batch))
     grads = torch.func.grad(lambda m: losses.contrastive_divergence(m, batch, fr.key(6), sampler=sampler,
                                                                     n_steps=5)[0])(model)
     assert all(torch.isfinite(g).all() for g in torch.utils._pytree.tree_leaves(grads))

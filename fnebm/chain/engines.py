@@ -21,7 +21,6 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fnebm import random as fr
-from fnebm.chain.loop import loop
 from fnebm.chain.runner import RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
 from fnebm.kernels import dispatch
@@ -33,11 +32,6 @@ def sync(device: torch.device) -> None:
     # only around chunks and the probe, never inside a step: clocks read real time
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
-
-
-def _eager(step, collect, keys, state, ts):
-    """The eager runner: the same steps as the compiled one, in a Python loop."""
-    return loop(step, collect, keys, state, ts, unroll=True)
 
 
 # While a compile runs in the background, eager chunks last about this long (the switch waits for a chunk's end)
@@ -66,7 +60,8 @@ def _chains_last(state: Any) -> Any:
 
 
 class TorchEngine:
-    """The sampler's step, compiled or eager as ``plan`` says; kept draws copied into the buffers.
+    """The sampler's step, compiled (``run``, the compiled runner) or eager (:meth:`_eager`) as
+    ``plan`` says; kept draws copied into the buffers.
 
     ``expected``: the ``(trace, info)`` tree of meta tensors ``(n_kept, ...)``; ``bufs``: the
     caller's ``out`` leaves, or ``None`` (allocated at the first kept draw, or the output of a
@@ -136,7 +131,7 @@ class TorchEngine:
                 # the same chunk from the same inputs (the compiled call is pure: nothing moved),
                 # eagerly; an error of the step itself is raised here, as eager code raises it
                 ran, thinned = self._eager(ts, kept), True
-                self.plan, self.run = self.fall_back(self.plan, self.ledger, failed, a, self.on_plan), _eager
+                self.plan, self.run = self.fall_back(self.plan, self.ledger, failed, a, self.on_plan), None
         else:
             ran, thinned = self._eager(ts, kept), True
         self.state, out, info = ran

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
-from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, _eager, sync
+from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, sync
 from fnebm.chain.loop import needs_grad, position, position_and_energy
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import kept_in
@@ -415,7 +415,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
     if ledger.failed is not None and not ledger.failure_said:  # a background compile failed since the last call
         _fall_back(plan, ledger, ledger.failed, 0, None)
-    run = cache.get(runner_key) if plan.compiled else _eager
+    run = cache.get(runner_key) if plan.compiled else None
     engine = TorchEngine(step, collect, chain, n, plan, run, ledger, expected, bufs, n_kept, thin,
                          record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back,
                          compiled=cache.get(runner_key) if plan.background else None,

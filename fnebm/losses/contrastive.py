@@ -101,10 +101,11 @@ torch.serialization.add_safe_globals([PCDState])
 
 def _caches_energy(alg: Any, state: Any) -> bool:
     """Whether ``state`` (from ``alg.init``) holds ``energy = E(position)``, computed by the sampler's
-    ``init`` through the energy it was given: an fnebm sampler ``Step`` (it says so by its fields)
-    whose state type has an ``energy`` field (samplers.base.init_position_state)."""
+    ``init`` through the energy it was given: its ``Step`` says so (``caches_energy``; fnebm's
+    Langevin, MALA, HMC and NUTS do, through samplers.base.init_position_state). A sampler that
+    does not say so has its positives' energies computed by the loss."""
     fields = step_fields(alg.step)
-    return fields is not None and isinstance(state, fields.state_type) and "energy" in fields.state_type._fields
+    return fields is not None and fields.caches_energy and isinstance(state, fields.state_type)
 
 
 # ------------------------------------------------------------------------------- checks

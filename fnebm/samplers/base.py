@@ -64,6 +64,7 @@ class Step(functools.partial):
 
     * ``sampler``: the algorithm's name (``"langevin"``, ``"mala"``, ``"hmc"``, ``"nuts"``, ...);
     * ``state_type`` / ``info_type``: the ``NamedTuple`` types of its state and info;
+    * ``caches_energy``: its state's ``energy`` field is ``energy_fn(position)``, as ``init`` computed it;
     * ``energy_fn``: the energy it targets; ``tunables``: its tensor tunables by name (step size,
       noise scale, mass matrix); ``options``: its other, static arguments (integrator, backend);
     * ``replace(**changes)``: the same step with some arguments changed.
@@ -77,17 +78,23 @@ class Step(functools.partial):
 
     @classmethod
     def of(cls, sampler: str, kernel: Callable, *args: Any, state_type: type, info_type: type,
-           tunables: tuple[str, ...], **keywords: Any) -> "Step":
+           tunables: tuple[str, ...], caches_energy: bool = False, **keywords: Any) -> "Step":
         """``kernel(state, key, *args, **keywords)`` as the step of ``sampler``; ``tunables`` names
-        the keywords that are tensor tunables (the rest, other than ``energy_fn``, are options)."""
+        the keywords that are tensor tunables (the rest, other than ``energy_fn``, are options).
+        ``caches_energy``: the state's ``energy`` field is exactly ``energy_fn(position)`` as
+        ``init`` computed it (the CD loss then reuses it as the positives' energies)."""
         if torch.compiler.is_compiling():
             # built inside a user's compiled function (Dynamo constructs partials, not subclasses):
             # there the step is only called, never dispatched on
             return functools.partial(kernel, *args, **keywords)
         step = cls(kernel, *args, **keywords)
         step.__dict__.update(sampler=sampler, state_type=state_type, info_type=info_type,
-                             tunable_names=tuple(tunables))
+                             tunable_names=tuple(tunables), caches_energy=bool(caches_energy))
         return step
+
+    @property
+    def caches_energy(self) -> bool:
+        return self.__dict__.get("caches_energy", False)
 
     @property
     def energy_fn(self) -> Any:

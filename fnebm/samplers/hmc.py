@@ -220,7 +220,8 @@ def hmc(
     kernel = _kernel_for(coefficients, threshold)
     extra = dict(num_integration_steps=num_integration_steps, step_size_jitter=step_size_jitter,
                  trajectory_jitter=trajectory_jitter)
-    fields = dict(state_type=HMCState, info_type=HMCInfo, energy_fn=energy_fn, step_size=step_size, **extra)
+    fields = dict(state_type=HMCState, info_type=HMCInfo, caches_energy=True, energy_fn=energy_fn,
+                  step_size=step_size, **extra)
     if inverse_mass_matrix is None:
         step = Step.of("hmc", _identity_metric, kernel, tunables=("step_size", "step_size_jitter"), **fields)
     else:

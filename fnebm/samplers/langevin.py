@@ -97,7 +97,7 @@ def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor,
     noise_scale = _checks.tunable("noise_scale", noise_scale, allow_zero=True)
     return SamplingAlgorithm(
         functools.partial(init, energy_fn=energy_fn),
-        Step.of("langevin", _kernel, state_type=LangevinState, info_type=LangevinInfo,
+        Step.of("langevin", _kernel, caches_energy=True, state_type=LangevinState, info_type=LangevinInfo,
                 tunables=("step_size", "noise_scale"), energy_fn=energy_fn, step_size=step_size,
                 noise_scale=noise_scale),
     )

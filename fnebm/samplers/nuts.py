@@ -182,7 +182,7 @@ def nuts(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     kernel = _kernel_for(coefficients, threshold)
-    step = Step.of("nuts", _step, kernel, state_type=NUTSState, info_type=NUTSInfo,
+    step = Step.of("nuts", _step, kernel, caches_energy=True, state_type=NUTSState, info_type=NUTSInfo,
                    tunables=("step_size", "inverse_mass_matrix"), energy_fn=energy_fn, step_size=step_size,
                    inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth,
                    integrator=coefficients, divergence_threshold=threshold, backend=backend)
