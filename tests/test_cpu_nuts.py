@@ -186,7 +186,7 @@ def test_auto_takes_the_c_kernel_where_it_applies_and_falls_back_elsewhere():
     auto64 = fnebm.nuts(energy.to(dtype=torch.float64), 0.3)
     assert not _used_c(auto64, torch.func.vmap(auto64.init)(x0.double()), keys)
     plain = fnebm.nuts(lambda x: 1.5 * (x * x).sum(), 0.3)
-    assert not _used_c(plain, state, keys)
+    assert _used_c(plain, state, keys)  # a plain function: the C kernel, evaluating it in torch
     h = torch.tensor(0.3, requires_grad=True)
     new, _ = fnebm.nuts(energy, h).step(state, keys)
     assert new.position.requires_grad  # the torch kernel: gradients flow to the step size
@@ -198,7 +198,6 @@ def test_auto_takes_the_c_kernel_where_it_applies_and_falls_back_elsewhere():
 
 @pytest.mark.parametrize("case,match", [
     ("float64", "float32"),
-    ("function", "not one the C NUTS kernel computes"),
     ("grad", "gradient flows"),
     ("vmap", "torch.func transform"),
     ("integrator", "coefficients"),
@@ -387,3 +386,74 @@ def test_threads_do_not_change_the_draws():
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------- energies the kernel evaluates in torch (yours)
+
+
+def _function(energy):
+    """The family ``energy`` written as a plain function: the C kernel calls back into torch for it."""
+    return lambda x: energy(x)
+
+
+@pytest.mark.parametrize("family", ["gaussian full", "double well", "rastrigin"])
+def test_a_plain_function_takes_the_same_transition_as_the_torch_kernel(family):
+    d, n = 6, 64
+    energy = _function(_energies(d)[family])
+    top = {"rastrigin": 0.06, "double well": 0.2}.get(family, 0.6)
+    c, t = _both(energy, fr.normal(fr.key(31), (n, d)), fr.split(fr.key(32), n), torch.linspace(top / 20, top, n),
+                 depth=5, compile_energy=False)
+    _assert_same(c, t)
+    assert c[8].unique().numel() >= 4  # trees of several sizes: chains finish at different evaluations
+
+
+@pytest.mark.parametrize("case", ["dense per chain", "yoshida", "depth and divergences", "grid of chains"])
+def test_a_plain_function_in_every_configuration(case):
+    d, n = 5, 48
+    energy = _energies(d)["gaussian full"]
+    _, cov = _correlated(d)
+    x0, keys = fr.normal(fr.key(33), (n, d)), fr.split(fr.key(34), n)
+    h, kw = 0.4, {"compile_energy": False}
+    if case == "dense per chain":
+        kw["imm"] = Dense(cov.float() * torch.linspace(0.6, 1.4, n)[:, None, None])
+    elif case == "yoshida":  # three evaluations per integrator step: the kernel resumes mid-step
+        kw["integrator"] = yoshida
+    elif case == "depth and divergences":
+        h, kw["divergence_threshold"], kw["depth"] = torch.logspace(-2, 0.6, n), 50.0, 4
+    elif case == "grid of chains":  # two chain axes: the evaluation gets (6, 8, d) positions
+        x0, keys = x0.reshape(6, 8, d), keys.reshape(6, 8, 2)
+    if case == "grid of chains":
+        out = []
+        for backend in ("c", "torch"):
+            alg = fnebm.nuts(_function(energy), h, backend=backend, compile_energy=False)
+            state = torch.func.vmap(torch.func.vmap(alg.init))(x0)
+            out.append([f.reshape((n,) + f.shape[2:]) for f in (*alg.step(state, keys)[0], *alg.step(state, keys)[1])])
+        c, t = out
+    else:
+        c, t = _both(_function(energy), x0, keys, h, **kw)
+    _assert_same(c, t, atol=1e-3)
+    if case == "depth and divergences":
+        assert c[4].any() and not c[4].all() and (c[7] == 4).any()
+
+
+def test_an_evaluation_of_the_wrong_shape_is_refused():
+    energy = _energies(3)["harmonic"]
+    alg = fnebm.nuts(energy, 0.3)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(35), (4, 3)))
+    with pytest.raises(ValueError, match=r"must give energies \(4,\) and gradients \(4, 3\), got \(4,\) and \(4, 2\)"):
+        cpu_nuts.nuts_step(lambda x: energy(x), state.position, state.energy, state.grad, fr.split(fr.key(36), 4),
+                           torch.tensor(0.3), torch.ones(3), False, max_tree_depth=4, coefficients=(0.5, 1.0, 0.5),
+                           divergence_threshold=1000.0, evaluate=lambda x: (x.sum(-1), x[..., :2]))
+
+
+def test_under_torch_compile_a_plain_function_takes_the_torch_kernel(monkeypatch):
+    energy = _energies(3)["harmonic"]
+    alg = fnebm.nuts(energy, 0.3)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(35), (4, 3)))
+    args = (state.position, state.energy, state.grad, fr.split(fr.key(36), 4), torch.tensor(0.3), torch.ones(3),
+            False, (0.5, 1.0, 0.5))
+    assert cpu_nuts.why_not(lambda x: energy(x), *args, evaluated=True) is None
+    assert "not one the C NUTS kernel computes" in cpu_nuts.why_not(lambda x: energy(x), *args)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "torch.compile is tracing the step" in cpu_nuts.why_not(lambda x: energy(x), *args, evaluated=True)
+    assert cpu_nuts.why_not(energy, *args, evaluated=True) is None  # a family: one op in the graph

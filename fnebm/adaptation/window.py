@@ -304,6 +304,30 @@ def _adapt_step(adapt: WindowAdaptationState, key: Tensor, *, algorithm: Callabl
     return new, WindowAdaptationInfo(adapt.step_size, accept, divergent)
 
 
+def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState, compile: Any) -> tuple[Any, Any]:
+    """``(step, compile)`` for the run: eager iterations when the sampler's transition returns to Python
+    between its steps (NUTS in C on an energy the kernel does not compute itself, whose
+    ``step.func.kernel_traces`` says so); ``compile`` then says whether those evaluations are
+    compiled (``compile_energy``). Anything else runs as asked."""
+    kw = step.keywords
+    position = adapt.state.position
+    chains, d = tuple(position.shape[:-1]), position.shape[-1]
+    wrap = Diagonal if kw["diagonal"] else Dense
+    extra = _extra_for(kw["extra"], kw["steps_rule"], d)
+    try:
+        inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix), **extra).step
+    except (TypeError, ValueError):  # the warm-up's own step says what is wrong, as it always has
+        return step, compile
+    func = getattr(inner, "func", None)
+    traces, reason = getattr(func, "kernel_traces", None), getattr(func, "kernel_reason", None)
+    keys = torch.zeros(chains + (2,), dtype=torch.int64, device=position.device)
+    if traces is None or reason is None or traces(inner) or reason(inner, adapt.state, keys) is not None:
+        return step, compile
+    if compile != "auto" and "compile_energy" not in kw["extra"]:
+        step = functools.partial(step.func, *step.args, **{**kw, "extra": {**kw["extra"], "compile_energy": bool(compile)}})
+    return step, False
+
+
 def _schedule_index(adapt: WindowAdaptationState) -> Tensor:
     """What ``sample_chain`` keeps per iteration: the iteration counter (the info holds the rest)."""
     return adapt.step
@@ -530,9 +554,10 @@ def window_adaptation(
             raise ValueError(f"key must be one key of shape (2,) (the warm-up splits it over the chains), "
                              f"got shape {tuple(key.shape)}")
         adapt = init(position_or_state)
+        run_step, compile = _eager_transitions(step, adapt, compile)
         # the whole ensemble is one "chain" of the runner (no chain axes): pooled fields have no
         # chain axis, and the step splits its key over the chains
-        adapted, _, info = runner(step, adapt, key, num_steps, collect=_schedule_index, compile=compile, cache=cache,
+        adapted, _, info = runner(run_step, adapt, key, num_steps, collect=_schedule_index, compile=compile, cache=cache,
                                   progress=progress, on_plan=on_plan)
         state, parameters = final(adapted)
         return AdaptationResults(state, parameters, info)

@@ -166,225 +166,313 @@ static inline unsigned popcount64(int64_t n) { return (unsigned)__builtin_popcou
 /* the number of floats of scratch one chain's transition uses */
 static int64_t scratch_floats(int64_t d, int64_t depth) { return (26 + 4 * depth) * d + 3 * depth + 64; }
 
-static void transition(const nuts_args_t *a, int64_t c, float *buf, const int family) {
+/* One chain's transition as a state machine, so that its energy and gradient can come from outside:
+ * tree_run advances it to the next point whose energy and gradient it needs (nx; it returns 1, and
+ * the caller writes E(nx) to nu and the gradient to ng) or to the transition's end (it returns 0).
+ * The closed-form families call tree_run in a loop of their own (fnebm_nuts_step); a user's energy
+ * is evaluated in torch for every chain at once between calls (fnebm_nuts_begin / _resume). */
+typedef struct {
+    float *x, *p, *g, *v, *xf, *pf, *gf, *vf, *nx, *np, *ng, *nv; /* swapped as the tree grows */
+    float *px, *pg, *sx, *sg, *tree_sum, *sub_sum, *r0, *v0, *q0, *w0, *y, *tmp, *tmp2, *rho;
+    float *v_ck, *e_ck, *w_ck, *f_ck, *a_ck, *c_ck, *pair_ck;
+    const float *imm, *mfac;
+    float h, h0, u, uf, nu, pu, ph, pw, su, sh, sw, accept_sum, eps, u_sub, u_merge;
+    int64_t k, n, steps, j;
+    uint64_t i;
+    uint32_t kt0, kt1;
+    int fwd, diverged, turned, first;
+} tree_t;
+
+/* the scratch layout of one chain, its metric and step size */
+static void tree_setup(tree_t *t, const nuts_args_t *a, int64_t c, float *w) {
     const int64_t d = a->d, depth = a->depth;
-    const int dense = (int)a->dense, extra = (int)a->extra_checks;
-    const float *imm = a->imm + c * a->m_stride, *mfac = a->mfac + c * a->m_stride;
-    const float h = a->h_ptr[c * a->h_stride];
-    float *w = buf;
-    float *x = w, *p = w + d, *g = w + 2 * d, *v = w + 3 * d;
-    float *xf = w + 4 * d, *pf = w + 5 * d, *gf = w + 6 * d, *vf = w + 7 * d;
-    float *nx = w + 8 * d, *np = w + 9 * d, *ng = w + 10 * d, *nv = w + 11 * d;
-    float *px = w + 12 * d, *pg = w + 13 * d, *sx = w + 14 * d, *sg = w + 15 * d;
-    float *tree_sum = w + 16 * d, *sub_sum = w + 17 * d, *r0 = w + 18 * d, *v0 = w + 19 * d;
-    float *q0 = w + 20 * d, *w0 = w + 21 * d, *y = w + 22 * d, *tmp = w + 23 * d, *tmp2 = w + 24 * d;
-    float *rho = w + 25 * d;
-    float *v_ck = w + 26 * d, *e_ck = v_ck + depth * d, *w_ck = e_ck + depth * d, *f_ck = w_ck + depth * d;
-    float *a_ck = f_ck + depth * d, *c_ck = a_ck + depth, *pair_ck = c_ck + depth;
-    memset(v_ck, 0, sizeof(float) * (size_t)(4 * depth * d + 3 * depth));
+    t->imm = a->imm + c * a->m_stride;
+    t->mfac = a->mfac + c * a->m_stride;
+    t->h = a->h_ptr[c * a->h_stride];
+    t->x = w, t->p = w + d, t->g = w + 2 * d, t->v = w + 3 * d;
+    t->xf = w + 4 * d, t->pf = w + 5 * d, t->gf = w + 6 * d, t->vf = w + 7 * d;
+    t->nx = w + 8 * d, t->np = w + 9 * d, t->ng = w + 10 * d, t->nv = w + 11 * d;
+    t->px = w + 12 * d, t->pg = w + 13 * d, t->sx = w + 14 * d, t->sg = w + 15 * d;
+    t->tree_sum = w + 16 * d, t->sub_sum = w + 17 * d, t->r0 = w + 18 * d, t->v0 = w + 19 * d;
+    t->q0 = w + 20 * d, t->w0 = w + 21 * d, t->y = w + 22 * d, t->tmp = w + 23 * d, t->tmp2 = w + 24 * d;
+    t->rho = w + 25 * d;
+    t->v_ck = w + 26 * d, t->e_ck = t->v_ck + depth * d, t->w_ck = t->e_ck + depth * d;
+    t->f_ck = t->w_ck + depth * d;
+    t->a_ck = t->f_ck + depth * d, t->c_ck = t->a_ck + depth, t->pair_ck = t->c_ck + depth;
+}
+
+/* the start of a transition from (x0, e0, g0) with the chain's key words (kk0, kk1) */
+static void tree_start(tree_t *t, const nuts_args_t *a, const float *x0, float e0, const float *g0, uint32_t kk0,
+                       uint32_t kk1) {
+    const int64_t d = a->d, depth = a->depth;
+    const int dense = (int)a->dense;
+    memset(t->v_ck, 0, sizeof(float) * (size_t)(4 * depth * d + 3 * depth));
 
     /* the keys: split(key, 2) -> the momentum's key (words 0, 1) and the trajectory's (words 2, 3) */
-    uint32_t kk0 = (uint32_t)a->keys[c * a->key_stride_c], kk1 = (uint32_t)a->keys[c * a->key_stride_c + a->key_stride_w];
     uint32_t s0 = 0, s1 = 0, s2 = SPLIT_TAG, s3 = 0;
     PHILOX(s0, s1, s2, s3, kk0, kk1);
-    const uint32_t kt0 = s2, kt1 = s3;
+    t->kt0 = s2, t->kt1 = s3;
 
     /* the start: x0, its energy and gradient, and the momentum p0 ~ N(0, M) */
-    const float e0 = a->e_in[c];
-    memcpy(x, a->x_in + c * d, sizeof(float) * d);
-    memcpy(g, a->g_in + c * d, sizeof(float) * d);
-    normal_vec(tmp, s0, s1, d);
-    apply_metric(p, tmp, mfac, d, dense); /* p = scale z, or L^{-T} z */
-    apply_metric(v, p, imm, d, dense);
-    const float h0 = e0 + 0.5f * dotf(p, v, d);
-    memcpy(xf, x, sizeof(float) * d);
-    memcpy(pf, p, sizeof(float) * d);
-    memcpy(gf, g, sizeof(float) * d);
-    memcpy(vf, v, sizeof(float) * d);
-    memcpy(px, x, sizeof(float) * d);
-    memcpy(pg, g, sizeof(float) * d);
-    memcpy(sx, x, sizeof(float) * d);
-    memcpy(sg, g, sizeof(float) * d);
-    memcpy(tree_sum, p, sizeof(float) * d);
-    memset(sub_sum, 0, sizeof(float) * d);
-    memcpy(r0, p, sizeof(float) * d);
-    memcpy(v0, v, sizeof(float) * d);
-    memcpy(q0, p, sizeof(float) * d);
-    memcpy(w0, v, sizeof(float) * d);
-    float u = e0, uf = e0, pu = e0, ph = h0, pw = 0.0f, su = e0, sh = h0, sw = 0.0f, accept_sum = 0.0f;
-    int64_t k = 0, n = 0, steps = 0;
-    int fwd = 1, diverged = 0, turned = 0;
-    const float thr = (float)a->threshold;
+    memcpy(t->x, x0, sizeof(float) * d);
+    memcpy(t->g, g0, sizeof(float) * d);
+    normal_vec(t->tmp, s0, s1, d);
+    apply_metric(t->p, t->tmp, t->mfac, d, dense); /* p = scale z, or L^{-T} z */
+    apply_metric(t->v, t->p, t->imm, d, dense);
+    t->h0 = e0 + 0.5f * dotf(t->p, t->v, d);
+    const size_t bytes = sizeof(float) * d;
+    memcpy(t->xf, t->x, bytes);
+    memcpy(t->pf, t->p, bytes);
+    memcpy(t->gf, t->g, bytes);
+    memcpy(t->vf, t->v, bytes);
+    memcpy(t->px, t->x, bytes);
+    memcpy(t->pg, t->g, bytes);
+    memcpy(t->sx, t->x, bytes);
+    memcpy(t->sg, t->g, bytes);
+    memcpy(t->tree_sum, t->p, bytes);
+    memset(t->sub_sum, 0, bytes);
+    memcpy(t->r0, t->p, bytes);
+    memcpy(t->v0, t->v, bytes);
+    memcpy(t->q0, t->p, bytes);
+    memcpy(t->w0, t->v, bytes);
+    t->u = t->uf = t->pu = t->su = e0;
+    t->ph = t->sh = t->h0;
+    t->pw = t->sw = t->accept_sum = 0.0f;
+    t->k = t->n = t->steps = 0;
+    t->i = 0;
+    t->fwd = 1, t->diverged = 0, t->turned = 0;
+}
 
-    for (uint64_t i = 0;; i++) {
-        /* uniform(fold_in(k_traj, i), (3,)): the subtree's, the merge's and the direction's draws */
-        uint32_t f0 = (uint32_t)i, f1 = (uint32_t)(i >> 32), f2 = FOLD_TAG, f3 = 0;
-        PHILOX(f0, f1, f2, f3, kt0, kt1);
-        uint32_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;
-        PHILOX(b0, b1, b2, b3, f0, f1);
-        const float u_sub = to_unit(b0), u_merge = to_unit(b1), u_dir = to_unit(b2);
+/* the start of integrator step i: its draws, its direction, and the copy of the edge it leaves from */
+static void step_start(tree_t *t, const nuts_args_t *a) {
+    const int64_t d = a->d;
+    /* uniform(fold_in(k_traj, i), (3,)): the subtree's, the merge's and the direction's draws */
+    uint32_t f0 = (uint32_t)t->i, f1 = (uint32_t)(t->i >> 32), f2 = FOLD_TAG, f3 = 0;
+    PHILOX(f0, f1, f2, f3, t->kt0, t->kt1);
+    uint32_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+    PHILOX(b0, b1, b2, b3, f0, f1);
+    t->u_sub = to_unit(b0), t->u_merge = to_unit(b1);
+    const float u_dir = to_unit(b2);
 
-        const int first = n == 0;
-        const int new_fwd = first ? u_dir < 0.5f : fwd;
-        if (new_fwd != fwd) { /* grow on the other side: start from that edge */
-            SWAP(x, xf);
-            SWAP(p, pf);
-            SWAP(g, gf);
-            SWAP(v, vf);
-            float t = u;
-            u = uf;
-            uf = t;
-        }
-        fwd = new_fwd;
+    t->first = t->n == 0;
+    const int new_fwd = t->first ? u_dir < 0.5f : t->fwd;
+    if (new_fwd != t->fwd) { /* grow on the other side: start from that edge */
+        SWAP(t->x, t->xf);
+        SWAP(t->p, t->pf);
+        SWAP(t->g, t->gf);
+        SWAP(t->v, t->vf);
+        float s = t->u;
+        t->u = t->uf;
+        t->uf = s;
+    }
+    t->fwd = new_fwd;
 
-        /* one integrator step of fnebm.integrators.integrate (momentum first) */
-        const float eps = new_fwd ? h : -h;
-        memcpy(nx, x, sizeof(float) * d);
-        memcpy(np, p, sizeof(float) * d);
-        memcpy(ng, g, sizeof(float) * d);
-        float nu = u;
-        for (int64_t j = 0; j < a->n_coef; j++) {
-            const float ce = (float)a->coef[j] * eps;
-            if (j % 2 == 0) {
-#pragma omp simd
-                for (int64_t q = 0; q < d; q++)
-                    np[q] = np[q] - ce * ng[q];
-            } else {
-                apply_metric(tmp2, np, imm, d, dense);
-#pragma omp simd
-                for (int64_t q = 0; q < d; q++)
-                    nx[q] = nx[q] + ce * tmp2[q];
-                nu = energy_grad_any(family, a->scalars, a->vectors, d, nx, ng, tmp);
-            }
-        }
-        apply_metric(nv, np, imm, d, dense);
-        const float nh = nu + 0.5f * dotf(np, nv, d);
-        const int finite = fabsf(nh) <= FLT_BIG && all_finite(ng, d) && all_finite(nx, d);
-        const float delta = finite ? h0 - nh : -INFINITY; /* the log weight exp(-(H - H0)) */
-        const int divergent = !(finite && -delta <= thr);
-        accept_sum += exp_clamped(delta);
-        steps++;
+    /* one integrator step of fnebm.integrators.integrate (momentum first) */
+    t->eps = new_fwd ? t->h : -t->h;
+    memcpy(t->nx, t->x, sizeof(float) * d);
+    memcpy(t->np, t->p, sizeof(float) * d);
+    memcpy(t->ng, t->g, sizeof(float) * d);
+    t->nu = t->u;
+    t->j = 0;
+}
 
-        /* progressive uniform sampling inside the subtree (its first point is taken outright) */
-        if (first || u_sub < 1.0f / (1.0f + expf(-(delta - sw)))) {
-            memcpy(sx, nx, sizeof(float) * d);
-            memcpy(sg, ng, sizeof(float) * d);
-            su = nu;
-            sh = nh;
-        }
-        sw = first ? delta : logaddexpf(sw, delta);
-        if (first) {
-            memcpy(sub_sum, np, sizeof(float) * d);
-        } else {
+/* the integrator's coefficients from t->j on: 1 when it needs E and the gradient at nx (it then
+ * resumes at the next coefficient), 0 when the step's coefficients are done */
+static int integrate(tree_t *t, const nuts_args_t *a) {
+    const int64_t d = a->d;
+    float *restrict np = t->np, *restrict nx = t->nx, *restrict tmp2 = t->tmp2;
+    const float *restrict ng = t->ng;
+    for (; t->j < a->n_coef; t->j++) {
+        const float ce = (float)a->coef[t->j] * t->eps;
+        if (t->j % 2 == 0) {
 #pragma omp simd
             for (int64_t q = 0; q < d; q++)
-                sub_sum[q] += np[q];
+                np[q] = np[q] - ce * ng[q];
+        } else {
+            apply_metric(tmp2, np, t->imm, d, (int)a->dense);
+#pragma omp simd
+            for (int64_t q = 0; q < d; q++)
+                nx[q] = nx[q] + ce * tmp2[q];
+            t->j++;
+            return 1;
         }
+    }
+    return 0;
+}
+
+/* the end of an integrator step: sampling, checkpoints, U-turns, the merge; 1 when the tree is done */
+static int step_finish(tree_t *t, const nuts_args_t *a) {
+    const int64_t d = a->d, depth = a->depth;
+    const int dense = (int)a->dense, extra = (int)a->extra_checks;
+    const float thr = (float)a->threshold, h0 = t->h0;
+    const int first = t->first;
+    const int64_t n = t->n, k = t->k;
+    float *nx = t->nx, *np = t->np, *ng = t->ng, *nv = t->nv, *y = t->y, *rho = t->rho, *tmp = t->tmp;
+    float *tmp2 = t->tmp2, *sub_sum = t->sub_sum, *tree_sum = t->tree_sum;
+    float *v_ck = t->v_ck, *e_ck = t->e_ck, *w_ck = t->w_ck, *f_ck = t->f_ck, *a_ck = t->a_ck, *c_ck = t->c_ck;
+    float *pair_ck = t->pair_ck;
+    const float nu = t->nu;
+
+    apply_metric(nv, np, t->imm, d, dense);
+    const float nh = nu + 0.5f * dotf(np, nv, d);
+    const int finite = fabsf(nh) <= FLT_BIG && all_finite(ng, d) && all_finite(nx, d);
+    const float delta = finite ? h0 - nh : -INFINITY; /* the log weight exp(-(H - H0)) */
+    const int divergent = !(finite && -delta <= thr);
+    t->accept_sum += exp_clamped(delta);
+    t->steps++;
+
+    /* progressive uniform sampling inside the subtree (its first point is taken outright) */
+    if (first || t->u_sub < 1.0f / (1.0f + expf(-(delta - t->sw)))) {
+        memcpy(t->sx, nx, sizeof(float) * d);
+        memcpy(t->sg, ng, sizeof(float) * d);
+        t->su = nu;
+        t->sh = nh;
+    }
+    t->sw = first ? delta : logaddexpf(t->sw, delta);
+    if (first) {
+        memcpy(sub_sum, np, sizeof(float) * d);
+    } else {
 #pragma omp simd
         for (int64_t q = 0; q < d; q++)
-            y[q] = sub_sum[q] - 0.5f * np[q];
-
-        /* checkpoints at even steps, in slot popcount(n) */
-        const int64_t bits_n = popcount64(n), bits_next = popcount64(n + 1);
-        const int write = (n % 2 == 0);
-        if (write) {
-            memcpy(v_ck + bits_n * d, nv, sizeof(float) * d);
-            memcpy(e_ck + bits_n * d, y, sizeof(float) * d);
-            a_ck[bits_n] = dotf(nv, y, d);
-        }
-        if (first) {
-            memcpy(r0, np, sizeof(float) * d);
-            memcpy(v0, nv, sizeof(float) * d);
-            memcpy(q0, p, sizeof(float) * d);
-            memcpy(w0, v, sizeof(float) * d);
-        }
-
-        /* U-turns of the balanced subtrees completed at step n: slots popcount(n + 1) - 1 .. popcount(n) - 1 */
-        const int64_t hi = bits_n - 1, lo = bits_next - 1;
-        int sub_turning = 0;
-        const float nvy = dotf(nv, y, d);
-        for (int64_t j = lo; j <= hi && !sub_turning; j++)
-            sub_turning = dotf(v_ck + j * d, y, d) - a_ck[j] <= 0.0f || nvy - dotf(nv, e_ck + j * d, d) <= 0.0f;
-        if (extra && depth > 1) {
-            if (write) { /* A + first(B) for the halves that meet at this slot, and last(A) + B's pieces */
-                const int64_t prev = bits_n - 1 > 0 ? bits_n - 1 : 0;
-                const float *v_a = v_ck + prev * d, *e_a = e_ck + prev * d;
+            sub_sum[q] += np[q];
+    }
 #pragma omp simd
-                for (int64_t q = 0; q < d; q++)
-                    rho[q] = y[q] - e_a[q];
-                const int pair = dotf(v_a, rho, d) <= 0.0f || dotf(nv, rho, d) <= 0.0f;
-                float *fb = f_ck + bits_n * d;
-#pragma omp simd
-                for (int64_t q = 0; q < d; q++)
-                    fb[q] = np[q] - sub_sum[q] + 0.5f * p[q];
-                memcpy(w_ck + bits_n * d, v, sizeof(float) * d);
-                c_ck[bits_n] = dotf(v, fb, d);
-                pair_ck[bits_n] = pair ? 1.0f : 0.0f;
-            }
-            for (int64_t j = lo + 1; j <= hi && !sub_turning; j++)
-                sub_turning = pair_ck[j] > 0.0f || dotf(w_ck + j * d, y, d) + c_ck[j] <= 0.0f
-                              || nvy + dotf(nv, f_ck + j * d, d) <= 0.0f;
-        }
-        sub_turning = sub_turning && !divergent; /* a divergent point's momentum is not checked */
+    for (int64_t q = 0; q < d; q++)
+        y[q] = sub_sum[q] - 0.5f * np[q];
 
-        /* the subtree's end: merge it, or stop */
-        const int end = n + 1 == ((int64_t)1 << k);
-        const int stop = divergent || sub_turning;
-        const int merge = end && !stop;
-        int tree_turning = 0;
-        if (merge) {
-            if (u_merge < exp_clamped(sw - pw)) { /* biased progressive sampling */
-                memcpy(px, sx, sizeof(float) * d);
-                memcpy(pg, sg, sizeof(float) * d);
-                pu = su;
-                ph = sh;
-            }
-            pw = logaddexpf(pw, sw);
+    /* checkpoints at even steps, in slot popcount(n) */
+    const int64_t bits_n = popcount64(n), bits_next = popcount64(n + 1);
+    const int write = (n % 2 == 0);
+    if (write) {
+        memcpy(v_ck + bits_n * d, nv, sizeof(float) * d);
+        memcpy(e_ck + bits_n * d, y, sizeof(float) * d);
+        a_ck[bits_n] = dotf(nv, y, d);
+    }
+    if (first) {
+        memcpy(t->r0, np, sizeof(float) * d);
+        memcpy(t->v0, nv, sizeof(float) * d);
+        memcpy(t->q0, t->p, sizeof(float) * d);
+        memcpy(t->w0, t->v, sizeof(float) * d);
+    }
+
+    /* U-turns of the balanced subtrees completed at step n: slots popcount(n + 1) - 1 .. popcount(n) - 1 */
+    const int64_t hi = bits_n - 1, lo = bits_next - 1;
+    int sub_turning = 0;
+    const float nvy = dotf(nv, y, d);
+    for (int64_t j = lo; j <= hi && !sub_turning; j++)
+        sub_turning = dotf(v_ck + j * d, y, d) - a_ck[j] <= 0.0f || nvy - dotf(nv, e_ck + j * d, d) <= 0.0f;
+    if (extra && depth > 1) {
+        if (write) { /* A + first(B) for the halves that meet at this slot, and last(A) + B's pieces */
+            const int64_t prev = bits_n - 1 > 0 ? bits_n - 1 : 0;
+            const float *v_a = v_ck + prev * d, *e_a = e_ck + prev * d;
 #pragma omp simd
             for (int64_t q = 0; q < d; q++)
-                tmp[q] = tree_sum[q] + sub_sum[q];
-            tree_turning = turning_span(pf, vf, np, nv, tmp, rho, d);
-            if (extra && !tree_turning) { /* the tree + the subtree's first point; the tree's edge + the subtree */
+                rho[q] = y[q] - e_a[q];
+            const int pair = dotf(v_a, rho, d) <= 0.0f || dotf(nv, rho, d) <= 0.0f;
+            float *fb = f_ck + bits_n * d;
+            const float *p = t->p;
+#pragma omp simd
+            for (int64_t q = 0; q < d; q++)
+                fb[q] = np[q] - sub_sum[q] + 0.5f * p[q];
+            memcpy(w_ck + bits_n * d, t->v, sizeof(float) * d);
+            c_ck[bits_n] = dotf(t->v, fb, d);
+            pair_ck[bits_n] = pair ? 1.0f : 0.0f;
+        }
+        for (int64_t j = lo + 1; j <= hi && !sub_turning; j++)
+            sub_turning = pair_ck[j] > 0.0f || dotf(w_ck + j * d, y, d) + c_ck[j] <= 0.0f
+                          || nvy + dotf(nv, f_ck + j * d, d) <= 0.0f;
+    }
+    sub_turning = sub_turning && !divergent; /* a divergent point's momentum is not checked */
+
+    /* the subtree's end: merge it, or stop */
+    const int end = n + 1 == ((int64_t)1 << k);
+    const int stop = divergent || sub_turning;
+    const int merge = end && !stop;
+    int tree_turning = 0;
+    if (merge) {
+        if (t->u_merge < exp_clamped(t->sw - t->pw)) { /* biased progressive sampling */
+            memcpy(t->px, t->sx, sizeof(float) * d);
+            memcpy(t->pg, t->sg, sizeof(float) * d);
+            t->pu = t->su;
+            t->ph = t->sh;
+        }
+        t->pw = logaddexpf(t->pw, t->sw);
+#pragma omp simd
+        for (int64_t q = 0; q < d; q++)
+            tmp[q] = tree_sum[q] + sub_sum[q];
+        tree_turning = turning_span(t->pf, t->vf, np, nv, tmp, rho, d);
+        if (extra && !tree_turning) { /* the tree + the subtree's first point; the tree's edge + the subtree */
+            const float *r0 = t->r0, *q0 = t->q0;
+#pragma omp simd
+            for (int64_t q = 0; q < d; q++)
+                tmp2[q] = tree_sum[q] + r0[q];
+            tree_turning = turning_span(t->pf, t->vf, t->r0, t->v0, tmp2, rho, d);
+            if (!tree_turning) {
 #pragma omp simd
                 for (int64_t q = 0; q < d; q++)
-                    tmp2[q] = tree_sum[q] + r0[q];
-                tree_turning = turning_span(pf, vf, r0, v0, tmp2, rho, d);
-                if (!tree_turning) {
-#pragma omp simd
-                    for (int64_t q = 0; q < d; q++)
-                        tmp2[q] = sub_sum[q] + q0[q];
-                    tree_turning = turning_span(q0, w0, np, nv, tmp2, rho, d);
-                }
+                    tmp2[q] = sub_sum[q] + q0[q];
+                tree_turning = turning_span(t->q0, t->w0, np, nv, tmp2, rho, d);
             }
-            memcpy(tree_sum, tmp, sizeof(float) * d);
         }
-        const int done = stop || tree_turning || (merge && k + 1 >= depth);
-        if (merge && !done)
-            k++;
-        n = end ? 0 : n + 1;
-
-        /* integration continues from the new point (a non-finite one ends the tree anyway) */
-        if (finite) {
-            SWAP(x, nx);
-            SWAP(p, np);
-            SWAP(g, ng);
-            SWAP(v, nv);
-            u = nu;
-        }
-        diverged |= divergent;
-        turned |= sub_turning || tree_turning;
-        if (done)
-            break;
+        memcpy(tree_sum, tmp, sizeof(float) * d);
     }
-    memcpy(a->x_out + c * d, px, sizeof(float) * d);
-    memcpy(a->g_out + c * d, pg, sizeof(float) * d);
-    a->e_out[c] = pu;
-    a->accept[c] = accept_sum / (float)(steps > 1 ? steps : 1);
-    a->energy_error[c] = ph - h0;
-    a->divergent[c] = (int8_t)diverged;
-    a->turning[c] = (int8_t)turned;
-    a->tree_depth[c] = k + 1;
-    a->n_steps[c] = steps;
+    const int done = stop || tree_turning || (merge && k + 1 >= depth);
+    if (merge && !done)
+        t->k = k + 1;
+    t->n = end ? 0 : n + 1;
+
+    /* integration continues from the new point (a non-finite one ends the tree anyway) */
+    if (finite) {
+        SWAP(t->x, t->nx);
+        SWAP(t->p, t->np);
+        SWAP(t->g, t->ng);
+        SWAP(t->v, t->nv);
+        t->u = nu;
+    }
+    t->diverged |= divergent;
+    t->turned |= sub_turning || tree_turning;
+    return done;
+}
+
+/* advances a chain's transition until it needs E and the gradient at nx (1) or is done (0) */
+static int tree_run(tree_t *t, const nuts_args_t *a) {
+    for (;;) {
+        if (integrate(t, a))
+            return 1;
+        if (step_finish(t, a))
+            return 0;
+        t->i++;
+        step_start(t, a);
+    }
+}
+
+/* the transition's result and info, into row c of the outputs */
+static void tree_output(const tree_t *t, const nuts_args_t *a, int64_t c) {
+    const int64_t d = a->d;
+    memcpy(a->x_out + c * d, t->px, sizeof(float) * d);
+    memcpy(a->g_out + c * d, t->pg, sizeof(float) * d);
+    a->e_out[c] = t->pu;
+    a->accept[c] = t->accept_sum / (float)(t->steps > 1 ? t->steps : 1);
+    a->energy_error[c] = t->ph - t->h0;
+    a->divergent[c] = (int8_t)t->diverged;
+    a->turning[c] = (int8_t)t->turned;
+    a->tree_depth[c] = t->k + 1;
+    a->n_steps[c] = t->steps;
+}
+
+static void tree_begin(tree_t *t, const nuts_args_t *a, int64_t c, float *buf) {
+    tree_setup(t, a, c, buf);
+    tree_start(t, a, a->x_in + c * a->d, a->e_in[c], a->g_in + c * a->d,
+               (uint32_t)a->keys[c * a->key_stride_c], (uint32_t)a->keys[c * a->key_stride_c + a->key_stride_w]);
+    step_start(t, a);
+}
+
+static void transition(const nuts_args_t *a, int64_t c, float *buf, const int family) {
+    tree_t t;
+    tree_begin(&t, a, c, buf);
+    while (tree_run(&t, a))
+        t.nu = energy_grad_any(family, a->scalars, a->vectors, a->d, t.nx, t.ng, t.tmp);
+    tree_output(&t, a, c);
 }
 
 /* Returns 0, or -1 when a thread could not allocate its scratch (nothing is then valid). */
@@ -407,4 +495,86 @@ int fnebm_nuts_step(const nuts_args_t *a, int family, int n_threads) {
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+
+/* A user's energy: every chain's transition advances in lockstep between evaluations that the caller
+ * makes in torch. fnebm_nuts_begin starts every chain and writes, row by row, the point whose energy
+ * and gradient each chain needs next into `pending` (n_chains x d); fnebm_nuts_resume takes E and the
+ * gradient at those points, advances every chain that was waiting, writes the next points and returns
+ * how many chains still wait (0: the outputs are written). A finished chain's row holds its result,
+ * so the caller can evaluate every row. The context keeps the arguments' pointers: the tensors behind
+ * them must live until fnebm_nuts_end. */
+typedef struct {
+    nuts_args_t a;
+    tree_t *trees;
+    float *bufs;
+    int8_t *waiting;
+    int64_t stride;
+} nuts_ctx_t;
+
+void fnebm_nuts_end(void *ctx) {
+    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+    if (s == NULL)
+        return;
+    free(s->trees);
+    free(s->bufs);
+    free(s->waiting);
+    free(s);
+}
+
+static int64_t advance_all(nuts_ctx_t *s, float *pending) {
+    const nuts_args_t *a = &s->a;
+    int64_t left = 0;
+    for (int64_t c = 0; c < a->n_chains; c++) {
+        if (!s->waiting[c])
+            continue;
+        tree_t *t = s->trees + c;
+        if (tree_run(t, a)) {
+            memcpy(pending + c * a->d, t->nx, sizeof(float) * a->d);
+            left++;
+        } else {
+            tree_output(t, a, c);
+            memcpy(pending + c * a->d, t->px, sizeof(float) * a->d);
+            s->waiting[c] = 0;
+        }
+    }
+    return left;
+}
+
+/* NULL when the scratch could not be allocated; *left: the chains that wait for an evaluation */
+void *fnebm_nuts_begin(const nuts_args_t *a, float *pending, int64_t *left) {
+    nuts_ctx_t *s = (nuts_ctx_t *)calloc(1, sizeof(nuts_ctx_t));
+    if (s == NULL)
+        return NULL;
+    s->a = *a;
+    s->stride = (scratch_floats(a->d, a->depth) + 15) / 16 * 16;
+    const int64_t n = a->n_chains > 0 ? a->n_chains : 1;
+    s->trees = (tree_t *)calloc((size_t)n, sizeof(tree_t));
+    s->bufs = (float *)aligned_alloc(64, sizeof(float) * (size_t)(s->stride * n));
+    s->waiting = (int8_t *)malloc((size_t)n);
+    if (s->trees == NULL || s->bufs == NULL || s->waiting == NULL) {
+        fnebm_nuts_end(s);
+        return NULL;
+    }
+    for (int64_t c = 0; c < a->n_chains; c++) {
+        tree_begin(s->trees + c, &s->a, c, s->bufs + c * s->stride);
+        s->waiting[c] = 1;
+    }
+    *left = advance_all(s, pending);
+    return s;
+}
+
+/* energy: (n_chains,), grad: (n_chains, d) at the rows of `pending` fnebm_nuts_begin or the last
+ * call wrote; returns the chains that still wait */
+int64_t fnebm_nuts_resume(void *ctx, const float *energy, const float *grad, float *pending) {
+    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+    const int64_t d = s->a.d;
+    for (int64_t c = 0; c < s->a.n_chains; c++) {
+        if (!s->waiting[c])
+            continue;
+        memcpy(s->trees[c].ng, grad + c * d, sizeof(float) * d);
+        s->trees[c].nu = energy[c];
+    }
+    return advance_all(s, pending);
 }

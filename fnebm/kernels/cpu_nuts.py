@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,6 +54,12 @@ class _Args(ctypes.Structure):
 def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
     lib.fnebm_nuts_step.restype = ctypes.c_int
+    lib.fnebm_nuts_begin.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.fnebm_nuts_begin.restype = ctypes.c_void_p
+    lib.fnebm_nuts_resume.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.fnebm_nuts_resume.restype = ctypes.c_int64
+    lib.fnebm_nuts_end.argtypes = [ctypes.c_void_p]
+    lib.fnebm_nuts_end.restype = None
 
 
 # -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's two operations do (the
@@ -82,16 +88,24 @@ def _wrapped(t: Tensor) -> bool:
 
 
 def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key: Tensor, step_size: Tensor,
-            inverse_mass_matrix: Tensor, dense: bool, coefficients: Sequence[float]) -> str | None:
+            inverse_mass_matrix: Tensor, dense: bool, coefficients: Sequence[float], *,
+            evaluated: bool = False) -> str | None:
     """``None`` when the C kernel runs this transition (metadata only), else the first reason it cannot.
 
     ``position: (*chains, d)``; ``key: (*chains, 2)``; ``step_size``: 0-dim or broadcasting against
     the chains; ``inverse_mass_matrix``: ``(d,)`` / ``(*chains, d)``, or dense ``(d, d)`` /
-    ``(*chains, d, d)``.
+    ``(*chains, d, d)``. ``evaluated``: the caller can evaluate any energy between the kernel's
+    steps (:func:`nuts_step`'s ``evaluate``), so an energy outside the families is covered too,
+    eagerly (not while ``torch.compile`` traces: the kernel then returns to Python for every
+    evaluation).
     """
-    reason = families.covers(energy_fn, families.C_NUTS)
-    if reason is not None:
-        return reason
+    closed = families.covers(energy_fn, families.C_NUTS)
+    if closed is not None:
+        if not evaluated:
+            return closed
+        if torch.compiler.is_compiling():
+            return (f"{closed}, and torch.compile is tracing the step (the kernel evaluates any other energy "
+                    "from Python between its steps, eagerly)")
     held = [position, energy, grad, key, step_size, inverse_mass_matrix,
             *(t for t in pytree.tree_leaves(energy_fn) if isinstance(t, Tensor))]
     # eager under a torch.func transform: the torch kernel (the op has a vmap rule, for compiled
@@ -116,7 +130,8 @@ def why_not(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key:
                 f"(*chains, d) for the position {tuple(position.shape)}")
     d = position.shape[-1]
     try:
-        energy_fn.check_dim(d)
+        if closed is None:
+            energy_fn.check_dim(d)
     except ValueError as exc:
         return f"the energy does not take the position's {d} elements per chain ({exc})"
     if step_size.ndim and (step_size.ndim > len(chains)
@@ -224,17 +239,20 @@ torch.library.register_vmap("fnebm::cpu_nuts", _nuts_vmap)
 
 def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, key: Tensor, step_size: Tensor,
               inverse_mass_matrix: Tensor, dense: bool, *, max_tree_depth: int, coefficients: Sequence[float],
-              divergence_threshold: float, uturn_extra_checks: bool = True) -> list[Tensor]:
+              divergence_threshold: float, uturn_extra_checks: bool = True,
+              evaluate: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None) -> list[Tensor]:
     """One NUTS transition of every chain: ``[position, energy, grad, acceptance_rate, is_divergent,
     is_turning, energy_error, tree_depth, num_integration_steps]`` (the fields of
     :class:`fnebm.samplers.nuts.NUTSState` and ``NUTSInfo``).
 
     The caller has checked the arguments with :func:`why_not`. ``step_size`` is 0-dim or per chain;
-    ``inverse_mass_matrix`` diagonal or (``dense``) dense, shared or per chain. Traces under
-    ``torch.compile(fullgraph=True)`` as one node (the momentum's factor is computed in torch before it).
+    ``inverse_mass_matrix`` diagonal or (``dense``) dense, shared or per chain. For the families,
+    traces under ``torch.compile(fullgraph=True)`` as one node (the momentum's factor is computed in
+    torch before it). Any other energy needs ``evaluate``: ``x: (*chains, d) -> (E (*chains,),
+    dE/dx (*chains, d))``, called once per integrator evaluation for every chain at once (the
+    chains advance in lockstep between calls; a finished chain's row holds its result), eagerly.
     """
     chains, d = tuple(position.shape[:-1]), position.shape[-1]
-    family, scalars, vectors = cpu_chain._params(energy_fn, d)
     imm = inverse_mass_matrix.to(position.dtype)
     if dense:  # M^{-1} = L L^T, and p = L^{-T} z has covariance M: the kernel takes L^{-T}
         tril = torch.linalg.cholesky(imm)
@@ -246,6 +264,73 @@ def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, ke
     if h.ndim:
         h = h.reshape(tuple(h.shape) + (1,) * (len(chains) - h.ndim)).expand(chains)
     coef = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
+    if families.covers(energy_fn, families.C_NUTS) is not None:
+        if evaluate is None:
+            raise ValueError("nuts_step: an energy outside the C kernel's families needs `evaluate`")
+        return _evaluated_step(evaluate, position, energy, grad, key, h, imm, mfac, coef, bool(dense),
+                               int(max_tree_depth), float(divergence_threshold), bool(uturn_extra_checks))
+    family, scalars, vectors = cpu_chain._params(energy_fn, d)
     return torch.ops.fnebm.cpu_nuts(position, energy, grad, key, h, imm, mfac, scalars.to(position.dtype),
                                     vectors.to(position.dtype), coef, family, bool(dense), int(max_tree_depth),
                                     float(divergence_threshold), bool(uturn_extra_checks))
+
+
+def _evaluated_step(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, energy: Tensor, grad: Tensor,
+                    keys: Tensor, step_size: Tensor, imm: Tensor, mfac: Tensor, coef: Tensor, dense: bool,
+                    depth: int, threshold: float, extra_checks: bool) -> list[Tensor]:
+    """The transition of every chain with ``evaluate`` between the kernel's steps (see :func:`nuts_step`)."""
+    lib = LIBRARY.load()
+    if lib is None:
+        raise RuntimeError(f"the C NUTS kernel is unavailable: {LIBRARY.why}")
+    chains, d = tuple(x.shape[:-1]), x.shape[-1]
+    n = x.numel() // d if d else 0
+    event = (d, d) if dense else (d,)
+    xs = x.detach().reshape(n, d).contiguous()
+    gs = grad.detach().reshape(n, d).contiguous()
+    es = energy.detach().reshape(n).contiguous()
+    ks = keys.reshape(n, 2)
+    h = step_size.detach().reshape(-1).to(torch.float32).contiguous()
+    m, m_stride = _strided(imm.detach().to(torch.float32), chains, event)
+    f, _ = _strided(mfac.detach().to(torch.float32), chains, event)
+    coef = coef.contiguous()
+    x_out, g_out, e_out = torch.empty_like(xs), torch.empty_like(gs), torch.empty_like(es)
+    accept, error = torch.empty_like(es), torch.empty_like(es)
+    divergent, turning = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
+    tree_depth, steps = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    none = torch.zeros(1, dtype=torch.float32)  # no family parameters
+    args = _Args(n, d, depth, coef.numel(), int(extra_checks), ks.stride(0), ks.stride(1),
+                 1 if h.numel() > 1 else 0, m_stride, int(dense),
+                 xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), m.data_ptr(), f.data_ptr(),
+                 none.data_ptr(), none.data_ptr(), ks.data_ptr(), coef.data_ptr(), float(threshold),
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
+                 divergent.view(torch.int8).data_ptr(), turning.view(torch.int8).data_ptr(), tree_depth.data_ptr(),
+                 steps.data_ptr())
+    outs = [x_out.reshape(x.shape), e_out.reshape(chains), g_out.reshape(x.shape)]
+    outs += [t.reshape(chains) for t in (accept, divergent, turning, error, tree_depth, steps)]
+    if n == 0:
+        return outs
+    with torch.profiler.record_function("fnebm::cpu_nuts_evaluated"):
+        _drive(lib, args, evaluate, chains, n, d)
+    return outs
+
+
+def _drive(lib: ctypes.CDLL, args: _Args, evaluate: Callable[[Tensor], tuple[Tensor, Tensor]],
+           chains: tuple[int, ...], n: int, d: int) -> None:
+    pending = torch.empty(n, d, dtype=torch.float32)
+    left = ctypes.c_int64(0)
+    ctx = lib.fnebm_nuts_begin(ctypes.byref(args), pending.data_ptr(), ctypes.byref(left))
+    if not ctx:
+        raise MemoryError("the C NUTS kernel could not allocate its scratch")
+    try:
+        waiting, at = left.value, pending.view(chains + (d,))
+        while waiting:
+            e, g = evaluate(at)
+            if not (isinstance(e, Tensor) and isinstance(g, Tensor) and e.numel() == n and g.numel() == n * d):
+                raise ValueError(f"the energy's evaluation at positions {tuple(at.shape)} must give energies "
+                                 f"{chains} and gradients {tuple(at.shape)}, got "
+                                 f"{tuple(getattr(e, 'shape', ()))} and {tuple(getattr(g, 'shape', ()))}")
+            e = e.detach().reshape(n).to(device="cpu", dtype=torch.float32).contiguous()
+            g = g.detach().reshape(n, d).to(device="cpu", dtype=torch.float32).contiguous()
+            waiting = lib.fnebm_nuts_resume(ctx, e.data_ptr(), g.data_ptr(), pending.data_ptr())
+    finally:
+        lib.fnebm_nuts_end(ctx)

@@ -290,8 +290,15 @@ def choose(req: RunRequest, backend: str = "auto", compile: Any = "auto") -> Dec
         reason = why_not(path, req)
         if reason is None:
             if path.scope == "transition":
-                return Decision("torch", None, compile, _with_backend(step, path.engine), tuple(skipped),
-                                path.engine)
+                step = _with_backend(step, path.engine)
+                traces = getattr(fields.func, "kernel_traces", None)
+                if traces is not None and not traces(fields):
+                    # a transition that calls back into torch (a user's energy in the C NUTS kernel):
+                    # eager steps; compile=True/False says whether its evaluations are compiled
+                    if compile is not None and compile != "auto":
+                        step = _fields(step).replace(compile_energy=bool(compile))
+                    compile = False
+                return Decision("torch", None, compile, step, tuple(skipped), path.engine)
             return Decision(path.engine, path, False, step, tuple(skipped))
         unavailable = _unavailable(path, reason)
         if backend == path.engine:

@@ -31,7 +31,7 @@ from fnebm import _checks
 from fnebm import random as fr
 from fnebm.gradients import value_and_grad
 from fnebm.integrators.metrics import InverseMassMatrix, check_inverse_mass_matrix, euclidean, resolve
-from fnebm.kernels import cpu_nuts
+from fnebm.kernels import cpu_nuts, families
 from fnebm.kernels.dispatch import BackendUnavailable
 from fnebm.integrators.symplectic import IntegratorState, velocity_verlet
 from fnebm.samplers.base import (
@@ -43,6 +43,7 @@ from fnebm.samplers.base import (
     init_position_state,
     per_chain,
 )
+from fnebm.samplers.evaluation import check_compile, evaluator
 from fnebm.samplers.trajectory import iterative_nuts_proposal
 
 __all__ = ["NUTSState", "NUTSInfo", "init", "build_kernel", "nuts"]
@@ -144,6 +145,7 @@ def nuts(
     integrator: tuple[float, ...] = velocity_verlet,
     divergence_threshold: float = 1000.0,
     backend: str = "auto",
+    compile_energy: bool | str = "auto",
 ) -> SamplingAlgorithm:
     """NUTS targeting ``p(x) ∝ exp(-E(x))``: trajectories that double until they turn.
 
@@ -185,7 +187,8 @@ def nuts(
     step = Step.of("nuts", _step, kernel, caches_energy=True, state_type=NUTSState, info_type=NUTSInfo,
                    tunables=("step_size", "inverse_mass_matrix"), energy_fn=energy_fn, step_size=step_size,
                    inverse_mass_matrix=inverse_mass_matrix, max_tree_depth=max_tree_depth,
-                   integrator=coefficients, divergence_threshold=threshold, backend=backend)
+                   integrator=coefficients, divergence_threshold=threshold, backend=backend,
+                   compile_energy=check_compile(compile_energy))
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 
@@ -194,7 +197,7 @@ BACKENDS = ("auto", "c", "torch")
 
 def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
           max_tree_depth: int, integrator: tuple[float, ...], divergence_threshold: float,
-          backend: str) -> tuple[NUTSState, NUTSInfo]:
+          backend: str, compile_energy: bool | str = "auto") -> tuple[NUTSState, NUTSInfo]:
     """The step of :func:`nuts`: the C kernel where ``backend`` and the arguments allow, else ``kernel``."""
     x = state.position
     if inverse_mass_matrix is None:  # the identity, for any d
@@ -203,9 +206,11 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
         fr.check_key(key)  # the C kernel reads the words as they are (the torch kernel checks them in split)
         reason, dense, imm = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
         if reason is None:
+            closed = families.covers(energy_fn, families.C_NUTS) is None  # else evaluated in torch, eagerly
             out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
                                      max_tree_depth=max_tree_depth, coefficients=integrator,
-                                     divergence_threshold=divergence_threshold)
+                                     divergence_threshold=divergence_threshold,
+                                     evaluate=None if closed else evaluator(energy_fn, key.ndim - 1, compile_energy))
             return NUTSState(*out[:3]), NUTSInfo(*out[3:])
         if backend == "c":
             raise BackendUnavailable("c", reason, "this NUTS transition", "the torch kernel instead")
@@ -223,7 +228,15 @@ def _kernel_reason(step: Any, state: NUTSState, key: Tensor) -> str | None:
     return _why_not_c(state, key, kw["energy_fn"], kw["step_size"], imm, kw["integrator"])[0]
 
 
+def _kernel_traces(step: Any) -> bool:
+    """Whether the C transition of ``step`` traces under ``torch.compile`` (one op for the energies the
+    kernel computes itself); for any other energy it returns to Python for every evaluation, so
+    it runs eagerly, with its evaluations compiled as ``compile_energy`` says."""
+    return families.covers(step.keywords["energy_fn"], families.C_NUTS) is None
+
+
 _step.kernel_reason = _kernel_reason  # the step's transition kernel check, read by fnebm.kernels.dispatch
+_step.kernel_traces = _kernel_traces
 
 
 def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
@@ -239,4 +252,5 @@ def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inve
         dense, imm = resolve(inverse_mass_matrix, tuple(key.shape[:-1]), x.shape[-1])
     except ValueError as exc:
         return str(exc), False, None
-    return cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator), dense, imm
+    return (cpu_nuts.why_not(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense, integrator,
+                             evaluated=True), dense, imm)

@@ -1,0 +1,132 @@
+"""The energy and gradient of every chain at once, for kernels that call back into torch.
+
+:func:`evaluator` gives ``x: (*chains, d) -> (E (*chains,), dE/dx (*chains, d))`` for an energy:
+the function :mod:`fnebm.kernels.cpu_nuts` calls between the C kernel's integrator steps when the
+energy is one the kernel does not compute itself (a network, a log density you wrote). It is
+:func:`fnebm.gradients.value_and_grad` over the chain axes (the energy's whole-batch form where
+it has one, else ``vmap``), eager or compiled:
+
+* ``compile=False``: eager, every call.
+* ``compile=True``: ``torch.compile`` of it from the first call (one small graph: the energy's
+  forward and backward pass for all chains; the tree's arithmetic stays in C).
+* ``compile="auto"``: eager until the eager evaluations of this energy have taken
+  :data:`AUTO_COMPILE_AFTER_S` seconds in this process, then compiled (announced by an
+  :class:`EnergyCompileNotice`). A short run never pays for a compile; a long one pays at most
+  that much eager time before it does.
+
+A compile that fails (an energy Dynamo cannot trace) is warned of once and the evaluations stay
+eager. One evaluator is kept per energy object (the last 16), so the warm-up's samplers, rebuilt
+at every iteration, and the sampling after it share its compiled code and its clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+from torch import Tensor
+
+from fnebm.gradients import value_and_grad
+
+__all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "COMPILE_CHOICES"]
+
+AUTO_COMPILE_AFTER_S = 1.0  # eager evaluation seconds after which "auto" compiles the evaluation
+COMPILE_CHOICES = (True, False, "auto")
+_KEEP = 16
+
+
+class EnergyCompileNotice(UserWarning):
+    """A sampler compiles an energy's value and gradient now (``compile_energy="auto"``), and the
+    call waits for it: tens of seconds for a first compile on a small CPU, less from Inductor's
+    on-disk cache. ``compile_energy=False`` keeps eager evaluations, ``True`` compiles at once."""
+
+
+class _Evaluation:
+    """One energy's evaluation over ``chain_ndim`` chain axes: eager, and compiled once asked."""
+
+    def __init__(self, energy_fn: Any, chain_ndim: int) -> None:
+        self.eager = value_and_grad(energy_fn, chain_ndim)
+        self.compiled: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+        self.failed: str | None = None
+        self.eager_s = 0.0  # seconds of eager evaluations so far
+        self.compile_s: float | None = None  # seconds of the compiled code's first call
+
+    def compile_now(self, announce: bool) -> None:
+        if self.compiled is not None or self.failed is not None:
+            return
+        import torch
+
+        if announce:
+            warnings.warn(f"fnebm: compiling this energy's value and gradient now (its eager evaluations took "
+                          f"{self.eager_s:.3g} s so far; compile_energy='auto'). Pass compile_energy=False to keep "
+                          "them eager, or True to compile from the start.", EnergyCompileNotice, stacklevel=4)
+        self.compiled = torch.compile(self.eager, dynamic=False)
+
+    def compiled_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.compile_s is not None:
+            return self.compiled(x)
+        t0 = time.perf_counter()
+        try:
+            out = self.compiled(x)
+        except Exception as exc:  # the energy is not traceable: eager from now on (an eager error re-raises)
+            out = self.eager(x)
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.compiled = None
+            warnings.warn(f"fnebm: compiling the energy's value and gradient failed ({self.failed}); its "
+                          "evaluations stay eager", RuntimeWarning, stacklevel=4)
+            return out
+        self.compile_s = time.perf_counter() - t0
+        return out
+
+    def timed_eager(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        t0 = time.perf_counter()
+        out = self.eager(x)
+        self.eager_s += time.perf_counter() - t0
+        return out
+
+
+_lock = threading.Lock()
+_kept: "collections.OrderedDict[tuple[int, int], tuple[Any, _Evaluation]]" = collections.OrderedDict()
+
+
+def _evaluation(energy_fn: Any, chain_ndim: int) -> _Evaluation:
+    key = (id(energy_fn), chain_ndim)
+    with _lock:
+        hit = _kept.get(key)
+        if hit is not None and hit[0] is energy_fn:
+            _kept.move_to_end(key)
+            return hit[1]
+        ev = _Evaluation(energy_fn, chain_ndim)
+        _kept[key] = (energy_fn, ev)
+        while len(_kept) > _KEEP:
+            _kept.popitem(last=False)
+        return ev
+
+
+def check_compile(compile: Any) -> Any:
+    if compile not in COMPILE_CHOICES or not isinstance(compile, (bool, str)):
+        raise ValueError(f"compile_energy must be True, False or 'auto', got {compile!r}")
+    return compile
+
+
+def evaluator(energy_fn: Any, chain_ndim: int, compile: bool | str = False) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """``x: (*chains, d) -> (E, dE/dx)`` over the first ``chain_ndim`` axes, eager or compiled (module docstring)."""
+    check_compile(compile)
+    ev = _evaluation(energy_fn, chain_ndim)
+    if compile is False or ev.failed is not None:
+        return ev.eager
+    if compile is True:
+        ev.compile_now(announce=False)
+        return ev.compiled_call if ev.compiled is not None else ev.eager
+
+    def auto(x: Tensor) -> tuple[Tensor, Tensor]:
+        if ev.compiled is None and ev.failed is None and ev.eager_s >= AUTO_COMPILE_AFTER_S:
+            ev.compile_now(announce=True)
+        if ev.compiled is not None:
+            return ev.compiled_call(x)
+        return ev.timed_eager(x)
+
+    return auto

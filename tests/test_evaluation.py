@@ -1,0 +1,156 @@
+"""fnebm.samplers.evaluation: the energy and gradient of every chain at once, eager or compiled,
+for the C NUTS kernel on energies it does not compute itself; and how sample_chain and
+window_adaptation choose eager steps with it (compile= says whether its evaluations compile).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import fnebm
+from fnebm import random as fr
+from fnebm.kernels import cpu_nuts, dispatch
+from fnebm.samplers import evaluation
+
+pytestmark = pytest.mark.skipif(cpu_nuts.available() is not None,
+                                reason=f"the C NUTS kernel is unavailable here: {cpu_nuts.available()}")
+
+P = torch.tensor([[2.0, 0.6], [0.6, 1.0]])
+
+
+def energy(x):  # a log density written as a function: no closed form the kernels know
+    return 0.5 * (x @ (P @ x))
+
+
+class _FakeCompile:
+    """Stands in for torch.compile (a real compile is tested once, below): counts, then runs eagerly."""
+
+    def __init__(self, fail: bool = False):
+        self.compiled, self.calls, self.fail = 0, 0, fail
+
+    def __call__(self, fn, **kw):
+        self.compiled += 1
+
+        def run(x):
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("cannot trace this energy")
+            return fn(x)
+
+        return run
+
+
+def _fresh(fn):
+    return lambda x: fn(x)  # a new energy object: an evaluator of its own
+
+
+def test_eager_evaluations_never_compile(monkeypatch):
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 0.0)
+    f = _fresh(energy)
+    ev = evaluation.evaluator(f, 1, False)
+    x = fr.normal(fr.key(0), (3, 2))
+    e, g = ev(x)
+    torch.testing.assert_close(e, torch.stack([energy(r) for r in x]))
+    torch.testing.assert_close(g, x @ P)
+    assert fake.compiled == 0
+
+
+def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 1e9)
+    f = _fresh(energy)
+    x = fr.normal(fr.key(1), (3, 2))
+    ev = evaluation.evaluator(f, 1, "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = ev(x)  # under budget: eager, silent
+    assert fake.compiled == 0
+    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 0.0)
+    with pytest.warns(evaluation.EnergyCompileNotice, match="compiling this energy's value and gradient now"):
+        got = evaluation.evaluator(f, 1, "auto")(x)  # a new step of the same energy: the same clock
+    assert fake.compiled == 1 and fake.calls == 1
+    torch.testing.assert_close(got, want)
+    evaluation.evaluator(f, 1, "auto")(x)  # compiled once, reused
+    assert fake.compiled == 1 and fake.calls == 2
+
+
+def test_a_compile_that_fails_is_said_once_and_stays_eager(monkeypatch):
+    fake = _FakeCompile(fail=True)
+    monkeypatch.setattr(torch, "compile", fake)
+    f = _fresh(energy)
+    x = fr.normal(fr.key(2), (3, 2))
+    with pytest.warns(RuntimeWarning, match="compiling the energy's value and gradient failed .*cannot trace"):
+        e, g = evaluation.evaluator(f, 1, True)(x)
+    torch.testing.assert_close(g, x @ P)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluation.evaluator(f, 1, True)(x)
+    assert fake.compiled == 1
+
+
+def test_bad_compile_energy_is_refused():
+    with pytest.raises(ValueError, match="compile_energy must be True, False or 'auto', got 'yes'"):
+        fnebm.nuts(energy, 0.3, compile_energy="yes")
+
+
+def test_a_real_compile_gives_the_eager_transition():
+    # the one real compile here: torch.compile of the batched value and gradient, called from the
+    # C kernel's loop (its input buffer rewritten between calls); same trees, float-close draws
+    f = _fresh(energy)
+    x0 = fr.normal(fr.key(3), (8, 2))
+    keys = fr.split(fr.key(4), 8)
+    out = []
+    for compile_energy in (False, True):
+        alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy)
+        state = torch.func.vmap(alg.init)(x0)
+        for i in range(3):
+            state, info = alg.step(state, fr.fold_in(keys, i))
+        out.append((state, info))
+    (a, ia), (b, ib) = out
+    torch.testing.assert_close(a.position, b.position, rtol=1e-4, atol=1e-5)
+    assert torch.equal(ia.num_integration_steps, ib.num_integration_steps)
+    assert evaluation._evaluation(f, 1).compile_s is not None
+
+
+def _request(alg, state, keys):
+    return dispatch.RunRequest(alg.step, state, keys, torch.zeros((), dtype=torch.int64), "position", False)
+
+
+def test_sample_chain_runs_the_evaluated_transition_eagerly_and_compile_picks_the_evaluations():
+    alg = fnebm.nuts(energy, 0.5)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(5), (4, 2)))
+    keys = fr.split(fr.key(6), 4)
+    for compile, want in (("auto", "auto"), (True, True), (False, False)):
+        decision = dispatch.choose(_request(alg, state, keys), "auto", compile)
+        assert decision.compile is False and decision.transition == "c"
+        assert decision.step.keywords["compile_energy"] == want and decision.step.keywords["backend"] == "c"
+    plans = []
+    fnebm.sample_chain(alg.step, state, fr.key(7), 3, progress=False, on_plan=plans.append)
+    assert plans[0].engine == "eager" and plans[0].transition == "c"
+    # a family stays one op inside compiled code: compile is left as asked
+    family = fnebm.nuts(fnebm.energies.harmonic(2.0), 0.5)
+    decision = dispatch.choose(_request(family, state, keys), "auto", True)
+    assert decision.compile is True and decision.transition == "c"
+
+
+def test_window_adaptation_on_a_plain_function_recovers_the_target():
+    # a 2-D Gaussian written as a function; warm-up (compile=True, its default: here the sampler's
+    # evaluations would compile, so compile_energy=False keeps this test eager), then 300 draws of
+    # 16 chains: means and variances within 4.5 MCSE of the truth
+    warm = fnebm.window_adaptation(fnebm.nuts, energy, 200, compile_energy=False)
+    plans = []
+    result = warm.run(fr.normal(fr.key(8), (16, 2)), fr.key(9), on_plan=plans.append)
+    assert plans[0].engine == "eager"
+    alg = fnebm.nuts(energy, **result.parameters)
+    _, trace, info = fnebm.sample_chain(alg.step, result.state, fr.key(10), 300, progress=False)
+    cov = torch.linalg.inv(P).double()
+    trace = trace.double()
+    stats = torch.cat([trace, trace ** 2], -1)
+    truth = torch.cat([torch.zeros(2, dtype=torch.float64), torch.diagonal(cov)])
+    z = (stats.mean((0, 1)) - truth) / fnebm.diagnostics.mcse_mean(stats, layout="draws_chains")
+    assert (z.abs() < 4.5).all(), z
+    assert abs(float(info.acceptance_rate.mean()) - 0.8) < 0.08
