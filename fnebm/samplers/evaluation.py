@@ -28,10 +28,11 @@ at every iteration, and the sampling after it share its compiled code and its cl
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import Tensor
 
@@ -62,11 +63,34 @@ class _Evaluation:
         self.compile_s: float | None = None  # seconds of the compiled code's first call
         self.one_thread: bool | None = None  # None while the first calls are timed both ways
         self.trials: list[tuple[bool, float]] = []
+        self.scoped = False  # inside scope(): the threads are set for the whole loop
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Around a loop of evaluations: one thread for all of them once that was measured faster
+        (setting torch's threads around every call cost about 90 us a call here)."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if not self.one_thread or threads == 1 or self.scoped:
+            yield
+            return
+        torch.set_num_threads(1)
+        self.scoped = True
+        try:
+            yield
+        finally:
+            self.scoped = False
+            torch.set_num_threads(threads)
 
     def run(self, fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple[tuple[Tensor, Tensor], float]:
         """``fn(x)`` on the chosen threads (timing both ways while undecided), and its seconds."""
         import torch
 
+        if self.scoped:
+            t0 = time.perf_counter()
+            out = fn(x)
+            return out, time.perf_counter() - t0
         threads = torch.get_num_threads()
         one = self.one_thread
         if one is None:
@@ -149,21 +173,30 @@ def check_compile(compile: Any) -> Any:
     return compile
 
 
-def evaluator(energy_fn: Any, chain_ndim: int, compile: bool | str = False) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-    """``x: (*chains, d) -> (E, dE/dx)`` over the first ``chain_ndim`` axes, eager or compiled (module docstring)."""
-    check_compile(compile)
-    ev = _evaluation(energy_fn, chain_ndim)
-    if compile is False or ev.failed is not None:
-        return ev.eager_call
-    if compile is True:
-        ev.compile_now(announce=False)
-        return ev.compiled_call if ev.compiled is not None else ev.eager_call
+class Evaluate:
+    """``x -> (E, dE/dx)`` for every chain (``__call__``), and ``scope()`` to hold around a loop of calls."""
 
-    def auto(x: Tensor) -> tuple[Tensor, Tensor]:
-        if ev.compiled is None and ev.failed is None and ev.eager_s >= AUTO_COMPILE_AFTER_S:
+    def __init__(self, ev: _Evaluation, compile: bool | str) -> None:
+        self.ev, self.mode = ev, compile
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        ev = self.ev
+        if self.mode is False or ev.failed is not None:
+            return ev.eager_call(x)
+        if self.mode == "auto" and ev.compiled is None and ev.eager_s >= AUTO_COMPILE_AFTER_S:
             ev.compile_now(announce=True)
         if ev.compiled is not None:
             return ev.compiled_call(x)
         return ev.eager_call(x)
 
-    return auto
+    def scope(self) -> contextlib.AbstractContextManager:
+        return self.ev.scope()
+
+
+def evaluator(energy_fn: Any, chain_ndim: int, compile: bool | str = False) -> Evaluate:
+    """``x: (*chains, d) -> (E, dE/dx)`` over the first ``chain_ndim`` axes, eager or compiled (module docstring)."""
+    check_compile(compile)
+    ev = _evaluation(energy_fn, chain_ndim)
+    if compile is True:
+        ev.compile_now(announce=False)
+    return Evaluate(ev, compile)

@@ -21,6 +21,7 @@ run (another dtype or device, any other energy function, a gradient through the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -207,10 +208,11 @@ def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, i
         reason, dense, imm = _why_not_c(state, key, energy_fn, step_size, inverse_mass_matrix, integrator)
         if reason is None:
             closed = families.covers(energy_fn, families.C_NUTS) is None  # else evaluated in torch, eagerly
-            out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
-                                     max_tree_depth=max_tree_depth, coefficients=integrator,
-                                     divergence_threshold=divergence_threshold,
-                                     evaluate=None if closed else evaluator(energy_fn, key.ndim - 1, compile_energy))
+            evaluate = None if closed else evaluator(energy_fn, key.ndim - 1, compile_energy)
+            with contextlib.nullcontext() if closed else evaluate.scope():
+                out = cpu_nuts.nuts_step(energy_fn, x, state.energy, state.grad, key, step_size, imm, dense,
+                                         max_tree_depth=max_tree_depth, coefficients=integrator,
+                                         divergence_threshold=divergence_threshold, evaluate=evaluate)
             return NUTSState(*out[:3]), NUTSInfo(*out[3:])
         if backend == "c":
             raise BackendUnavailable("c", reason, "this NUTS transition", "the torch kernel instead")
