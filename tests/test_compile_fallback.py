@@ -50,7 +50,9 @@ def test_the_item_response_posterior_samples_compiled_from_a_state_whose_fields_
     # compiled warm-up returns them as slices of one buffer): torch's scan refused such a carry
     # ("scan might be aliasing the input or the output!"), after the whole trace.
     d = 1 + PERSONS + ITEMS
-    alg = fnebm.nuts(item_response, 0.1, max_tree_depth=4)
+    # the torch kernel: under compile=True the C transition (eager, on this function energy) would
+    # compile only the energy's evaluations, and this test is about the compiled scan's carry
+    alg = fnebm.nuts(item_response, 0.1, max_tree_depth=4, backend="torch")
     state = torch.func.vmap(alg.init)(0.1 * fr.normal(fr.key(8), (4, d)))
     state, _ = alg.step(state, fr.split(fr.key(9), 4))
     assert _shares_memory(state.position, state.grad)  # the case under test

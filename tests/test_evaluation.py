@@ -48,7 +48,7 @@ def _fresh(fn):
 def test_eager_evaluations_never_compile(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 0.0)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
     f = _fresh(energy)
     ev = evaluation.evaluator(f, 1, False)
     x = fr.normal(fr.key(0), (3, 2))
@@ -61,7 +61,7 @@ def test_eager_evaluations_never_compile(monkeypatch):
 def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 1e9)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
     f = _fresh(energy)
     x = fr.normal(fr.key(1), (3, 2))
     ev = evaluation.evaluator(f, 1, "auto")
@@ -69,13 +69,21 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
         warnings.simplefilter("error")
         want = ev(x)  # under budget: eager, silent
     assert fake.compiled == 0
-    monkeypatch.setattr(evaluation, "AUTO_COMPILE_AFTER_S", 0.0)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
     with pytest.warns(evaluation.EnergyCompileNotice, match="compiling this energy's value and gradient now"):
         got = evaluation.evaluator(f, 1, "auto")(x)  # a new step of the same energy: the same clock
     assert fake.compiled == 1 and fake.calls == 1
     torch.testing.assert_close(got, want)
     evaluation.evaluator(f, 1, "auto")(x)  # compiled once, reused
     assert fake.compiled == 1 and fake.calls == 2
+
+
+def test_auto_expects_a_compile_to_take_what_one_took_here(monkeypatch):
+    monkeypatch.setattr(evaluation, "_kept", type(evaluation._kept)())
+    assert evaluation.compile_estimate() == evaluation.AUTO_COMPILE_AFTER_S  # nothing measured yet
+    ev = evaluation._evaluation(_fresh(energy), 1)
+    ev.compile_s = 3.5
+    assert evaluation.compile_estimate() == 3.5
 
 
 def test_a_compile_that_fails_is_said_once_and_stays_eager(monkeypatch):

@@ -317,13 +317,15 @@ def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState, co
     try:
         inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix), **extra).step
     except (TypeError, ValueError):  # the warm-up's own step says what is wrong, as it always has
-        return step, compile
+        return step, True if compile is None else compile
     func = getattr(inner, "func", None)
     traces, reason = getattr(func, "kernel_traces", None), getattr(func, "kernel_reason", None)
     keys = torch.zeros(chains + (2,), dtype=torch.int64, device=position.device)
+    if compile is not None and compile is not True and compile is not False and compile != "auto":
+        return step, compile  # the runner names what is wrong with it
     if traces is None or reason is None or traces(inner) or reason(inner, adapt.state, keys) is not None:
-        return step, compile
-    if compile != "auto" and "compile_energy" not in kw["extra"]:
+        return step, True if compile is None else compile
+    if compile is not None and compile != "auto" and "compile_energy" not in kw["extra"]:
         step = functools.partial(step.func, *step.args, **{**kw, "extra": {**kw["extra"], "compile_energy": bool(compile)}})
     return step, False
 
@@ -438,10 +440,14 @@ def window_adaptation(
             ``ceil(sqrt(d))`` (:func:`default_num_integration_steps`).
 
     Returns:
-        :class:`WindowAdaptation`; ``run(position_or_state, key, *, compile=True, cache=None,
+        :class:`WindowAdaptation`; ``run(position_or_state, key, *, compile=None, cache=None,
         progress=False, on_plan=None, runner=None) -> AdaptationResults(state, parameters, info)``.
         ``position_or_state``: positions ``(*chains, d)`` or a sampler state of the algorithm;
-        ``key``: one key ``(2,)``. ``compile`` (``True``, ``False`` or ``"auto"``) and
+        ``key``: one key ``(2,)``. ``compile`` (``True``, ``False`` or ``"auto"``; ``None``, the
+        default: ``True``, the whole warm-up one compiled call, except for a sampler whose
+        transition runs eagerly and calls back into torch — NUTS in C on an energy the kernel
+        does not compute itself — whose evaluations then compile as its ``compile_energy`` says,
+        ``"auto"`` by default) and
         ``on_plan`` (told before the warm-up whether it compiles, and why) are
         :func:`fnebm.sample_chain`'s; so is the fallback: a compile that fails on your energy
         runs the warm-up eagerly instead (the same result), with one
@@ -543,7 +549,7 @@ def window_adaptation(
                       **_extra_for(dict(extra), steps_rule, d)}
         return adapt.state, parameters
 
-    def run(position_or_state: Any, key: Tensor, *, compile: bool | str = True, cache: Any = None,
+    def run(position_or_state: Any, key: Tensor, *, compile: bool | str | None = None, cache: Any = None,
             progress: bool = False, on_plan: Any = None, runner: Callable[..., Any] | None = None) -> AdaptationResults:
         if runner is None:
             runner = _loop.default_runner()  # sample_chain's once fnebm.chain is imported (import fnebm does)

@@ -9,10 +9,12 @@ it has one, else ``vmap``), eager or compiled:
 * ``compile=False``: eager, every call.
 * ``compile=True``: ``torch.compile`` of it from the first call (one small graph: the energy's
   forward and backward pass for all chains; the tree's arithmetic stays in C).
-* ``compile="auto"``: eager until the eager evaluations of this energy have taken
-  :data:`AUTO_COMPILE_AFTER_S` seconds in this process, then compiled (announced by an
-  :class:`EnergyCompileNotice`). A short run never pays for a compile; a long one pays at most
-  that much eager time before it does.
+* ``compile="auto"``: eager until the eager evaluations of this energy have taken as long as a
+  compile is expected to take — the longest compile of an evaluation measured in this process,
+  else :data:`AUTO_COMPILE_AFTER_S` (a first compile of a small energy took 13-19 s on this
+  project's 2-core host) — then compiled (announced by an :class:`EnergyCompileNotice`). The
+  rule of renting skis: a run never spends more than about twice what the better choice in
+  hindsight would have; a short run never waits for a compile, a long one waits once.
 
 Threads: an evaluation of a small energy is a few hundred microseconds, and torch's parallel
 regions can cost more than they save there (on a busy 2-core machine a 2-thread evaluation of a
@@ -40,7 +42,7 @@ from fnebm.gradients import value_and_grad
 
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "COMPILE_CHOICES", "TUNE_CALLS"]
 
-AUTO_COMPILE_AFTER_S = 1.0  # eager evaluation seconds after which "auto" compiles the evaluation
+AUTO_COMPILE_AFTER_S = 10.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
 COMPILE_CHOICES = (True, False, "auto")
 _KEEP = 16
@@ -122,8 +124,9 @@ class _Evaluation:
 
         if announce:
             warnings.warn(f"fnebm: compiling this energy's value and gradient now (its eager evaluations took "
-                          f"{self.eager_s:.3g} s so far; compile_energy='auto'). Pass compile_energy=False to keep "
-                          "them eager, or True to compile from the start.", EnergyCompileNotice, stacklevel=4)
+                          f"{self.eager_s:.3g} s so far, as long as a compile is expected to take; "
+                          "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
+                          "from the start.", EnergyCompileNotice, stacklevel=4)
         self.compiled = torch.compile(self.eager, dynamic=False)
 
     def compiled_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -167,6 +170,14 @@ def _evaluation(energy_fn: Any, chain_ndim: int) -> _Evaluation:
         return ev
 
 
+def compile_estimate() -> float:
+    """Seconds a compile of an evaluation is expected to take: the longest measured in this process
+    (of the evaluators kept), else :data:`AUTO_COMPILE_AFTER_S`."""
+    with _lock:
+        seen = [ev.compile_s for _, ev in _kept.values() if ev.compile_s is not None]
+    return max(seen) if seen else AUTO_COMPILE_AFTER_S
+
+
 def check_compile(compile: Any) -> Any:
     if compile not in COMPILE_CHOICES or not isinstance(compile, (bool, str)):
         raise ValueError(f"compile_energy must be True, False or 'auto', got {compile!r}")
@@ -183,7 +194,7 @@ class Evaluate:
         ev = self.ev
         if self.mode is False or ev.failed is not None:
             return ev.eager_call(x)
-        if self.mode == "auto" and ev.compiled is None and ev.eager_s >= AUTO_COMPILE_AFTER_S:
+        if self.mode == "auto" and ev.compiled is None and ev.eager_s >= compile_estimate():
             ev.compile_now(announce=True)
         if ev.compiled is not None:
             return ev.compiled_call(x)

@@ -223,6 +223,8 @@ def _kernel_reason(step: Any, state: NUTSState, key: Tensor) -> str | None:
     """``None`` when the C kernel runs a transition of ``step`` (a :func:`nuts` step) from ``state``, else
     why not: :func:`_step`'s own check, which ``fnebm.kernels.dispatch`` asks on the chain's behalf."""
     kw = step.keywords
+    if kw["backend"] == "torch":  # the step's own choice, which a chain's backend="auto" leaves alone
+        return 'the step was built with backend="torch"'
     x = state.position
     imm = kw["inverse_mass_matrix"]
     if imm is None:
