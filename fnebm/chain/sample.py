@@ -407,9 +407,16 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
     plan = plan._replace(engine="compiled" if plan.compiled else "eager", skipped=decision.skipped,
                          transition=decision.transition or "")
     if decision.transition:
-        sampler = step_fields(step).sampler
-        plan = plan._replace(reason=f"{plan.reason}; each {sampler} transition in the "
-                                    f"{dispatch.NAMES[decision.transition]} kernel")
+        fields = step_fields(step)
+        traces = getattr(fields.func, "kernel_traces", None)
+        calls_back = traces is not None and not traces(fields)
+        how = fields.keywords.get("compile_energy", "auto")
+        kernel = f"each {fields.sampler} transition in the {dispatch.NAMES[decision.transition]} kernel"
+        if calls_back:  # eager by necessity, whatever compile= said (it went to the evaluations)
+            plan = plan._replace(reason=f"eager steps: {kernel}, which evaluates the energy in torch between its "
+                                        f"steps (compile_energy={how!r})")
+        else:
+            plan = plan._replace(reason=f"{plan.reason}; {kernel}")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
