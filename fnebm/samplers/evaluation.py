@@ -11,8 +11,9 @@ it has one, else ``vmap``), eager or compiled:
   forward and backward pass for all chains; the tree's arithmetic stays in C).
 * ``compile="auto"``: eager until the eager evaluations of this energy have taken as long as a
   compile is expected to take — the longest compile of an evaluation measured in this process,
-  else :data:`AUTO_COMPILE_AFTER_S` (a first compile of a small energy took 13-19 s on this
-  project's 2-core host) — then compiled (announced by an :class:`EnergyCompileNotice`). The
+  else :data:`AUTO_COMPILE_AFTER_S`, 20 s, what ``sample_chain(compile="auto")`` takes a compile
+  to cost (a first compile of a small energy's evaluation took 13-19 s on this project's 2-core
+  host, 3-4 s from Inductor's on-disk cache) — then compiled (announced by an :class:`EnergyCompileNotice`). The
   rule of renting skis: a run never spends more than about twice what the better choice in
   hindsight would have; a short run never waits for a compile, a long one waits once.
 
@@ -42,7 +43,8 @@ from fnebm.gradients import value_and_grad
 
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "COMPILE_CHOICES", "TUNE_CALLS"]
 
-AUTO_COMPILE_AFTER_S = 10.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
+AUTO_COMPILE_AFTER_S = 20.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
+# (what sample_chain's compile="auto" takes a compile to cost, fnebm.chain.runner)
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
 COMPILE_CHOICES = (True, False, "auto")
 _KEEP = 16
