@@ -31,6 +31,7 @@ class _FakeCompile:
 
     def __call__(self, fn, **kw):
         self.compiled += 1
+        self.backends = getattr(self, "backends", []) + [kw.get("backend", "inductor")]
 
         def run(x):
             self.calls += 1
@@ -62,6 +63,7 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
     monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
     f = _fresh(energy)
     x = fr.normal(fr.key(1), (3, 2))
     ev = evaluation.evaluator(f, 1, "auto")
@@ -76,6 +78,25 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
     torch.testing.assert_close(got, want)
     evaluation.evaluator(f, 1, "auto")(x)  # compiled once, reused
     assert fake.compiled == 1 and fake.calls == 2
+
+
+def test_auto_traces_before_it_compiles(monkeypatch):
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
+    f = _fresh(energy)
+    x = fr.normal(fr.key(11), (3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trace is not announced: a second or two, no code generation
+        got = evaluation.evaluator(f, 1, "auto")(x)
+        evaluation.evaluator(f, 1, "auto")(x)
+    assert fake.backends == ["aot_eager"] and fake.calls == 2
+    torch.testing.assert_close(got, evaluation.evaluator(f, 1, False)(x))
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
+    with pytest.warns(evaluation.EnergyCompileNotice):
+        evaluation.evaluator(f, 1, "auto")(x)
+    assert fake.backends == ["aot_eager", "inductor"]
 
 
 def test_auto_expects_a_compile_to_take_what_one_took_here(monkeypatch):
@@ -105,23 +126,28 @@ def test_bad_compile_energy_is_refused():
         fnebm.nuts(energy, 0.3, compile_energy="yes")
 
 
-def test_a_real_compile_gives_the_eager_transition():
+def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     # the one real compile here: torch.compile of the batched value and gradient, called from the
-    # C kernel's loop (its input buffer rewritten between calls); same trees, float-close draws
+    # C kernel's loop (its input buffer rewritten between calls); same trees, float-close draws;
+    # and the traced tier of "auto" (aot_eager), on a fresh energy object of its own
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
     f = _fresh(energy)
     x0 = fr.normal(fr.key(3), (8, 2))
     keys = fr.split(fr.key(4), 8)
     out = []
-    for compile_energy in (False, True):
+    for compile_energy in (False, True, "auto"):
+        if compile_energy == "auto":
+            f = _fresh(energy)
         alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy)
         state = torch.func.vmap(alg.init)(x0)
         for i in range(3):
             state, info = alg.step(state, fr.fold_in(keys, i))
         out.append((state, info))
-    (a, ia), (b, ib) = out
-    torch.testing.assert_close(a.position, b.position, rtol=1e-4, atol=1e-5)
-    assert torch.equal(ia.num_integration_steps, ib.num_integration_steps)
-    assert evaluation._evaluation(f, 1).compile_s is not None
+    (a, ia), (b, ib), (c, ic) = out
+    for other, info in ((b, ib), (c, ic)):
+        torch.testing.assert_close(a.position, other.position, rtol=1e-4, atol=1e-5)
+        assert torch.equal(ia.num_integration_steps, info.num_integration_steps)
+    assert evaluation._evaluation(f, 1).traced is not None
 
 
 def _request(alg, state, keys):
