@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import sys
 import threading
 import time
 import warnings
@@ -135,7 +137,7 @@ class _Evaluation:
             warnings.warn(f"fnebm: compiling this energy's value and gradient now (its eager evaluations took "
                           f"{self.eager_s:.3g} s so far, as long as a compile is expected to take; "
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
-                          "from the start.", EnergyCompileNotice, stacklevel=4)
+                          "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
         self.compiled = torch.compile(self.eager, dynamic=False)
 
     def compiled_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -149,7 +151,7 @@ class _Evaluation:
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self.compiled = None
             warnings.warn(f"fnebm: compiling the energy's value and gradient failed ({self.failed}); its "
-                          "evaluations stay eager", RuntimeWarning, stacklevel=4)
+                          "evaluations stay eager", RuntimeWarning, stacklevel=_outside_fnebm())
             return out
         self.compile_s = time.perf_counter() - t0
         self.one_thread, self.trials = None, []  # compiled code: time the threads again
@@ -181,6 +183,16 @@ class _Evaluation:
         out, seconds = self.run(self.eager, x)
         self.eager_s += seconds
         return out
+
+
+def _outside_fnebm() -> int:
+    """The ``stacklevel``, for a ``warnings.warn`` in the caller, of the first frame outside fnebm (a
+    warning names the user's call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _lock = threading.Lock()
