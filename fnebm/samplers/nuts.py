@@ -12,11 +12,14 @@ splits ``nuts.py``, ``trajectory.py`` and ``termination.py``:
 * :mod:`fnebm.samplers.termination` — the generalised U-turn criterion, checked iteratively
   from checkpoints inside each subtree, with Stan's extra checks across merged halves.
 
-**On the CPU, a C kernel.** For float32 chains on an energy the C kernels compute in closed form,
-:func:`nuts` (``backend="auto"``) runs each transition in :mod:`fnebm.kernels.cpu_nuts` instead:
-the same algorithm and the same draws, one chain after another per thread, each building its own
-tree, so no chain waits for the longest one. The kernel below is its twin, and serves every other
-run (another dtype or device, any other energy function, a gradient through the step).
+**On the CPU, a C kernel.** For float32 chains, :func:`nuts` (``backend="auto"``) runs each
+transition in :mod:`fnebm.kernels.cpu_nuts` instead, with the same algorithm and the same draws:
+on an energy the C kernels compute in closed form, one chain after another per thread, each
+building its own tree, so no chain waits for the longest one; on any other energy eagerly, in
+lockstep, the energy and gradient of every chain evaluated in torch between the kernel's steps
+(:mod:`fnebm.samplers.evaluation`). The kernel below is its twin, and serves every other run
+(another dtype or device, a gradient through the step, a ``torch.func`` transform, and inside
+``torch.compile`` an energy outside the families).
 """
 
 from __future__ import annotations
@@ -158,10 +161,17 @@ def nuts(
     and the transition is flagged ``is_divergent``.
 
     ``backend``: which code runs a transition. ``"auto"`` (default) takes the C kernel of
-    :mod:`fnebm.kernels.cpu_nuts` where it applies — CPU float32 tensors, an energy the C kernels
-    compute in closed form (the table :data:`fnebm.kernels.families.FAMILIES`), no ``torch.func``
-    transform and no gradient through the step — where each chain builds its own tree instead of
-    waiting in lockstep for the longest one; elsewhere the torch kernel (:func:`build_kernel`).
+    :mod:`fnebm.kernels.cpu_nuts` where it applies — CPU float32 tensors, no ``torch.func``
+    transform and no gradient through the step. On an energy the C kernels compute in closed
+    form (the table :data:`fnebm.kernels.families.FAMILIES`) each chain builds its own tree
+    instead of waiting in lockstep for the longest one, inside compiled code too; on any other
+    energy the kernel builds the trees in lockstep and torch evaluates the energy and gradient
+    of every chain at once between its steps, eagerly (under ``torch.compile`` the torch kernel
+    runs instead). Elsewhere the torch kernel (:func:`build_kernel`).
+    ``compile_energy``: for that evaluation, ``False`` eager, ``True`` compiled from the first
+    call, ``"auto"`` (default) traced after 0.5 s of evaluations and compiled once they took
+    what a compile is expected to (:mod:`fnebm.samplers.evaluation`); ``sample_chain(compile=)``
+    and ``window_adaptation.run(compile=)`` set it for their run when given ``True`` or ``False``.
     ``"c"`` insists on the C kernel (:class:`~fnebm.kernels.dispatch.BackendUnavailable`, a
     ``ValueError``, naming what prevents it); ``"torch"`` always runs
     the torch kernel. Both compute the same transition from the same keys, to float tolerance.
