@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import sys
 import threading
 import time
+import types
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -68,6 +70,7 @@ class _Evaluation:
 
     def __init__(self, energy_fn: Any, chain_ndim: int) -> None:
         self.eager = value_and_grad(energy_fn, chain_ndim)
+        self.entry = _fresh(self.eager)  # what torch.compile sees: a code object of this evaluator's own
         self.compiled: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
         self.failed: str | None = None
         self.eager_s = 0.0  # seconds of eager evaluations so far
@@ -138,7 +141,7 @@ class _Evaluation:
                           f"{self.eager_s:.3g} s so far, as long as a compile is expected to take; "
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
                           "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
-        self.compiled = torch.compile(self.eager, dynamic=False)
+        self.compiled = torch.compile(self.entry, dynamic=False)
 
     def compiled_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.compile_s is not None:
@@ -167,7 +170,7 @@ class _Evaluation:
         if self.traced is None:
             t0 = time.perf_counter()
             try:
-                self.traced = torch.compile(self.eager, dynamic=False, backend="aot_eager")
+                self.traced = torch.compile(self.entry, dynamic=False, backend="aot_eager")
                 out = self.traced(x)
             except Exception:  # noqa: BLE001 - not traceable: eager (an error of the energy re-raises there)
                 self.traced, self.trace_failed = None, True
@@ -183,6 +186,22 @@ class _Evaluation:
         out, seconds = self.run(self.eager, x)
         self.eager_s += seconds
         return out
+
+
+_IDS = itertools.count()
+
+
+def _fresh(fn: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """A call of ``fn`` whose code object is its own. Dynamo keeps compiled graphs per code object
+    (eight at most) and ``value_and_grad``'s functions share theirs across energies; so each
+    evaluator compiles a frame of its own, as ``sample_chain``'s runners do."""
+
+    def evaluate(x: Tensor) -> tuple[Tensor, Tensor]:
+        return fn(x)
+
+    name = f"evaluate_{next(_IDS)}"
+    code = evaluate.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, evaluate.__globals__, name, evaluate.__defaults__, evaluate.__closure__)
 
 
 def _outside_fnebm() -> int:
