@@ -188,3 +188,32 @@ def test_window_adaptation_on_a_plain_function_recovers_the_target():
     z = (stats.mean((0, 1)) - truth) / fnebm.diagnostics.mcse_mean(stats, layout="draws_chains")
     assert (z.abs() < 4.5).all(), z
     assert abs(float(info.acceptance_rate.mean()) - 0.8) < 0.08
+
+
+def test_eager_chains_run_many_transitions_per_call_with_the_same_draws(monkeypatch):
+    # sample_chain's eager loop hands a NUTS step on an evaluated energy several transitions at once
+    # (each chain goes on without waiting for the others' trees): the same draws as one at a time
+    import importlib
+
+    nuts_module = importlib.import_module("fnebm.samplers.nuts")
+    scales = torch.linspace(0.05, 0.6, 8)  # trees of different sizes
+    alg = fnebm.nuts(_fresh(energy), scales, compile_energy=False)
+    state = torch.func.vmap(alg.init)(fr.normal(fr.key(12), (8, 2)))
+    calls = []
+    many = nuts_module._step.kernel_many
+
+    def counted(step, state, keys):
+        calls.append(keys.shape[0])
+        return many(step, state, keys)
+
+    monkeypatch.setattr(nuts_module._step, "kernel_many", counted)
+    got = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False)
+    assert calls and max(calls) > 1
+    monkeypatch.setattr(nuts_module._step, "kernel_many", None)  # one transition per call
+    want = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False)
+    assert torch.equal(got[1], want[1]) and got[1].shape == (10, 8, 2)
+    for a, b in zip(got[2], want[2]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[0].state, want[0].state):
+        assert torch.equal(a, b)
+    assert got[2].num_integration_steps.unique().numel() > 1

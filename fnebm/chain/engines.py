@@ -160,8 +160,51 @@ class TorchEngine:
         The same steps as the compiled runner's (same keys, same draws), without what a compiled
         scan needs and eager code does not: no copy of the state at every step (nothing mutates
         it), and no stack of every step's draws when a chunk keeps a few of them."""
+        many = getattr(getattr(self.step, "func", None), "kernel_many", None)
+        if many is not None and ts.shape[0] > 1:
+            ran = self._eager_many(many, ts, kept)
+            if ran is not None:
+                return ran
         state, outs = self.state, []
         for i in range(ts.shape[0]):
+            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
+            if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
+        if not outs:
+            return state, None, None
+        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+        return state, out, info
+
+    def _eager_many(self, many: Callable, ts: Tensor, kept: Kept | None) -> tuple[Any, Any, Any] | None:
+        """The chunk's steps by the step's own ``kernel_many`` (several transitions per call: a NUTS
+        step on an energy its C kernel evaluates in torch, where each chain goes on without waiting
+        for the others' trees), in blocks of at most ``_MANY_FLOATS`` floats of positions; the same
+        steps, keys and results as :meth:`_eager`. ``None`` when the step does not take it."""
+        state, outs, n = self.state, [], ts.shape[0]
+        x = getattr(state, "position", None)
+        if not isinstance(x, Tensor):
+            return None
+        block = max(1, _MANY_FLOATS // max(1, x.numel()))
+        lead = (1,) * (self.keys.ndim - 1)
+        for a in range(0, n, block):
+            b = min(n, a + block)
+            ran = many(self.step, state, fr.fold_in(self.keys, ts[a:b].reshape((-1,) + lead)))
+            if ran is None:
+                return None if a == 0 else self._eager_from(state, ts, a, kept, outs)
+            states, infos = ran
+            for i in range(a, b):
+                if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                    one = type(states)(*(f[i - a] for f in states))
+                    outs.append((pytree.tree_map(torch.clone, self.collect(one)), type(infos)(*(f[i - a] for f in infos))))
+            state = type(states)(*(f[b - a - 1] for f in states))
+        if not outs:
+            return state, None, None
+        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+        return state, out, info
+
+    def _eager_from(self, state: Any, ts: Tensor, a: int, kept: Kept | None, outs: list) -> tuple[Any, Any, Any]:
+        """The rest of the chunk, steps ``a`` on, one step at a time (``kernel_many`` stopped applying)."""
+        for i in range(a, ts.shape[0]):
             state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
             if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
                 outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
@@ -186,6 +229,7 @@ _SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C
 # 10 x 100 steps) stay one launch (two launches cost them 1.10x and 1.16x at that load).
 _FIRST_SLICE_WORK = 1 << 24
 _GROWTH = 8  # a launch is at most this many times the one before
+_MANY_FLOATS = 1 << 22  # the positions one call of a step's kernel_many writes at most (16 MB of float32)
 
 
 def _first_slice(x: Tensor, energy: Any = None) -> int:

@@ -448,6 +448,7 @@ static int tree_run(tree_t *t, const nuts_args_t *a) {
 
 /* the transition's result and info, into row c of the outputs */
 static void tree_output(const tree_t *t, const nuts_args_t *a, int64_t c) {
+    /* (a row of (transition, chain) when several transitions run: row = transition * n_chains + chain) */
     const int64_t d = a->d;
     memcpy(a->x_out + c * d, t->px, sizeof(float) * d);
     memcpy(a->g_out + c * d, t->pg, sizeof(float) * d);
@@ -498,19 +499,23 @@ int fnebm_nuts_step(const nuts_args_t *a, int family, int n_threads) {
 }
 
 
-/* A user's energy: every chain's transition advances in lockstep between evaluations that the caller
- * makes in torch. fnebm_nuts_begin starts every chain and writes, row by row, the point whose energy
- * and gradient each chain needs next into `pending` (n_chains x d); fnebm_nuts_resume takes E and the
- * gradient at those points, advances every chain that was waiting, writes the next points and returns
- * how many chains still wait (0: the outputs are written). A finished chain's row holds its result,
- * so the caller can evaluate every row. The context keeps the arguments' pointers: the tensors behind
- * them must live until fnebm_nuts_end. */
+/* A user's energy: every chain's transitions advance between evaluations that the caller makes in
+ * torch, for all chains at once. fnebm_nuts_begin starts every chain and writes, row by row, the
+ * point whose energy and gradient each chain needs next into `pending` (n_chains x d);
+ * fnebm_nuts_resume takes E and the gradient at those points, advances every chain that was
+ * waiting, writes the next points and returns how many chains still wait (0: the outputs are
+ * written). With n_trans > 1 each chain runs n_trans transitions one after another, the next
+ * from the last one's result with the keys of its row (keys + t * key_stride_t), without waiting
+ * for the other chains' trees: the outputs are (n_trans, n_chains) rows. A finished chain's row of
+ * `pending` holds its result, so the caller can evaluate every row. The context keeps the
+ * arguments' pointers: the tensors behind them must live until fnebm_nuts_end. */
 typedef struct {
     nuts_args_t a;
     tree_t *trees;
     float *bufs;
     int8_t *waiting;
-    int64_t stride;
+    int64_t *trans; /* each chain's transition */
+    int64_t stride, n_trans, key_stride_t;
 } nuts_ctx_t;
 
 void fnebm_nuts_end(void *ctx) {
@@ -520,40 +525,54 @@ void fnebm_nuts_end(void *ctx) {
     free(s->trees);
     free(s->bufs);
     free(s->waiting);
+    free(s->trans);
     free(s);
 }
 
 static int64_t advance_all(nuts_ctx_t *s, float *pending) {
     const nuts_args_t *a = &s->a;
+    const int64_t n = a->n_chains, d = a->d;
     int64_t left = 0;
-    for (int64_t c = 0; c < a->n_chains; c++) {
+    for (int64_t c = 0; c < n; c++) {
         if (!s->waiting[c])
             continue;
         tree_t *t = s->trees + c;
-        if (tree_run(t, a)) {
-            memcpy(pending + c * a->d, t->nx, sizeof(float) * a->d);
-            left++;
-        } else {
-            tree_output(t, a, c);
-            memcpy(pending + c * a->d, t->px, sizeof(float) * a->d);
-            s->waiting[c] = 0;
+        for (;;) {
+            if (tree_run(t, a)) {
+                memcpy(pending + c * d, t->nx, sizeof(float) * d);
+                left++;
+                break;
+            }
+            tree_output(t, a, s->trans[c] * n + c);
+            if (++s->trans[c] >= s->n_trans) {
+                memcpy(pending + c * d, t->px, sizeof(float) * d);
+                s->waiting[c] = 0;
+                break;
+            }
+            /* the next transition from this one's result (tree_start reads px and pg before it writes them) */
+            const int64_t *k = a->keys + s->trans[c] * s->key_stride_t + c * a->key_stride_c;
+            tree_start(t, a, t->px, t->pu, t->pg, (uint32_t)k[0], (uint32_t)k[a->key_stride_w]);
+            step_start(t, a);
         }
     }
     return left;
 }
 
 /* NULL when the scratch could not be allocated; *left: the chains that wait for an evaluation */
-void *fnebm_nuts_begin(const nuts_args_t *a, float *pending, int64_t *left) {
+void *fnebm_nuts_begin(const nuts_args_t *a, int64_t n_trans, int64_t key_stride_t, float *pending, int64_t *left) {
     nuts_ctx_t *s = (nuts_ctx_t *)calloc(1, sizeof(nuts_ctx_t));
     if (s == NULL)
         return NULL;
     s->a = *a;
+    s->n_trans = n_trans > 0 ? n_trans : 1;
+    s->key_stride_t = key_stride_t;
     s->stride = (scratch_floats(a->d, a->depth) + 15) / 16 * 16;
     const int64_t n = a->n_chains > 0 ? a->n_chains : 1;
     s->trees = (tree_t *)calloc((size_t)n, sizeof(tree_t));
     s->bufs = (float *)aligned_alloc(64, sizeof(float) * (size_t)(s->stride * n));
     s->waiting = (int8_t *)malloc((size_t)n);
-    if (s->trees == NULL || s->bufs == NULL || s->waiting == NULL) {
+    s->trans = (int64_t *)calloc((size_t)n, sizeof(int64_t));
+    if (s->trees == NULL || s->bufs == NULL || s->waiting == NULL || s->trans == NULL) {
         fnebm_nuts_end(s);
         return NULL;
     }

@@ -54,7 +54,8 @@ class _Args(ctypes.Structure):
 def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
     lib.fnebm_nuts_step.restype = ctypes.c_int
-    lib.fnebm_nuts_begin.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.fnebm_nuts_begin.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.POINTER(ctypes.c_int64)]
     lib.fnebm_nuts_begin.restype = ctypes.c_void_p
     lib.fnebm_nuts_resume.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fnebm_nuts_resume.restype = ctypes.c_int64
@@ -252,6 +253,39 @@ def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, ke
     dE/dx (*chains, d))``, called once per integrator evaluation for every chain at once (the
     chains advance in lockstep between calls; a finished chain's row holds its result), eagerly.
     """
+    h, imm, mfac, coef = _metric(position, step_size, inverse_mass_matrix, dense, coefficients)
+    if families.covers(energy_fn, families.C_NUTS) is not None:
+        if evaluate is None:
+            raise ValueError("nuts_step: an energy outside the C kernel's families needs `evaluate`")
+        return _evaluated(evaluate, position, energy, grad, key, None, h, imm, mfac, coef, bool(dense),
+                          int(max_tree_depth), float(divergence_threshold), bool(uturn_extra_checks))
+    family, scalars, vectors = cpu_chain._params(energy_fn, position.shape[-1])
+    return torch.ops.fnebm.cpu_nuts(position, energy, grad, key, h, imm, mfac, scalars.to(position.dtype),
+                                    vectors.to(position.dtype), coef, family, bool(dense), int(max_tree_depth),
+                                    float(divergence_threshold), bool(uturn_extra_checks))
+
+
+def nuts_transitions(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: Tensor, energy: Tensor,
+                     grad: Tensor, keys: Tensor, step_size: Tensor, inverse_mass_matrix: Tensor, dense: bool, *,
+                     max_tree_depth: int, coefficients: Sequence[float], divergence_threshold: float,
+                     uturn_extra_checks: bool = True) -> list[Tensor]:
+    """``T`` NUTS transitions of every chain on an energy evaluated by ``evaluate`` (as :func:`nuts_step`'s),
+    ``keys: (T, *chains, 2)`` (transition ``t`` takes ``keys[t]``): the nine fields with a leading ``T``.
+
+    Each chain runs its transitions one after another without waiting for the others' trees (a
+    chain that finished transition ``t`` starts ``t + 1`` while the others build theirs), so the
+    evaluations number the longest chain's total of integrator steps rather than the sum over
+    transitions of the longest tree; every transition is the one :func:`nuts_step` takes from
+    the same state and key, bit for bit. Eager only (``evaluate`` runs between the kernel's steps).
+    """
+    h, imm, mfac, coef = _metric(position, step_size, inverse_mass_matrix, dense, coefficients)
+    return _evaluated(evaluate, position, energy, grad, keys, keys.shape[0], h, imm, mfac, coef, bool(dense),
+                      int(max_tree_depth), float(divergence_threshold), bool(uturn_extra_checks))
+
+
+def _metric(position: Tensor, step_size: Tensor, inverse_mass_matrix: Tensor, dense: bool,
+            coefficients: Sequence[float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(h per chain or 0-dim, imm, the momentum's factor, coefficients)`` as the kernel reads them."""
     chains, d = tuple(position.shape[:-1]), position.shape[-1]
     imm = inverse_mass_matrix.to(position.dtype)
     if dense:  # M^{-1} = L L^T, and p = L^{-T} z has covariance M: the kernel takes L^{-T}
@@ -264,52 +298,49 @@ def nuts_step(energy_fn: Any, position: Tensor, energy: Tensor, grad: Tensor, ke
     if h.ndim:
         h = h.reshape(tuple(h.shape) + (1,) * (len(chains) - h.ndim)).expand(chains)
     coef = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
-    if families.covers(energy_fn, families.C_NUTS) is not None:
-        if evaluate is None:
-            raise ValueError("nuts_step: an energy outside the C kernel's families needs `evaluate`")
-        return _evaluated_step(evaluate, position, energy, grad, key, h, imm, mfac, coef, bool(dense),
-                               int(max_tree_depth), float(divergence_threshold), bool(uturn_extra_checks))
-    family, scalars, vectors = cpu_chain._params(energy_fn, d)
-    return torch.ops.fnebm.cpu_nuts(position, energy, grad, key, h, imm, mfac, scalars.to(position.dtype),
-                                    vectors.to(position.dtype), coef, family, bool(dense), int(max_tree_depth),
-                                    float(divergence_threshold), bool(uturn_extra_checks))
+    return h, imm, mfac, coef
 
 
-def _evaluated_step(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, energy: Tensor, grad: Tensor,
-                    keys: Tensor, step_size: Tensor, imm: Tensor, mfac: Tensor, coef: Tensor, dense: bool,
-                    depth: int, threshold: float, extra_checks: bool) -> list[Tensor]:
-    """The transition of every chain with ``evaluate`` between the kernel's steps (see :func:`nuts_step`)."""
+def _evaluated(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, energy: Tensor, grad: Tensor,
+               keys: Tensor, n_trans: int | None, step_size: Tensor, imm: Tensor, mfac: Tensor, coef: Tensor,
+               dense: bool, depth: int, threshold: float, extra_checks: bool) -> list[Tensor]:
+    """Transitions of every chain with ``evaluate`` between the kernel's steps: one (``n_trans=None``,
+    ``keys (*chains, 2)``), or ``n_trans`` (``keys (n_trans, *chains, 2)``, outputs with that leading axis)."""
     lib = LIBRARY.load()
     if lib is None:
         raise RuntimeError(f"the C NUTS kernel is unavailable: {LIBRARY.why}")
     chains, d = tuple(x.shape[:-1]), x.shape[-1]
     n = x.numel() // d if d else 0
+    t = 1 if n_trans is None else n_trans
+    lead = () if n_trans is None else (n_trans,)
     event = (d, d) if dense else (d,)
     xs, gs, es = _flat(x, (n, d)), _flat(grad, (n, d)), _flat(energy, (n,))
-    ks = keys.reshape(n, 2)
+    ks = keys.reshape(t, n, 2)
     h = _flat(step_size, (-1,))
     m, m_stride = _strided(imm.detach().to(torch.float32), chains, event)
     f, _ = _strided(mfac.detach().to(torch.float32), chains, event)
     # one buffer for the float outputs: position, gradient, energy, acceptance, energy error
-    floats = torch.empty(2 * n * d + 3 * n, dtype=torch.float32)
-    x_out, g_out = floats[:n * d].view(n, d), floats[n * d:2 * n * d].view(n, d)
-    e_out, accept, error = floats[2 * n * d:].view(3, n).unbind(0)
-    flags = torch.empty(2, n, dtype=torch.bool)
-    ints = torch.empty(2, n, dtype=torch.int64)
-    args = _Args(n, d, depth, coef.numel(), int(extra_checks), ks.stride(0), ks.stride(1),
+    rows = t * n
+    floats = torch.empty(2 * rows * d + 3 * rows, dtype=torch.float32)
+    x_out, g_out = floats[:rows * d].view(rows, d), floats[rows * d:2 * rows * d].view(rows, d)
+    e_out, accept, error = floats[2 * rows * d:].view(3, rows).unbind(0)
+    flags = torch.empty(2, rows, dtype=torch.bool)
+    ints = torch.empty(2, rows, dtype=torch.int64)
+    args = _Args(n, d, depth, coef.numel(), int(extra_checks), ks.stride(1), ks.stride(2),
                  1 if h.numel() > 1 else 0, m_stride, int(dense),
                  xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), m.data_ptr(), f.data_ptr(),
                  0, 0, ks.data_ptr(), coef.data_ptr(), float(threshold),  # no family parameters
                  x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
-                 flags.data_ptr(), flags.data_ptr() + n, ints.data_ptr(), ints.data_ptr() + 8 * n)
-    if n:
+                 flags.data_ptr(), flags.data_ptr() + rows, ints.data_ptr(), ints.data_ptr() + 8 * rows)
+    if rows:
         if torch.autograd.profiler._is_profiler_enabled:  # named in a profile (tests look for it)
             with torch.profiler.record_function("fnebm::cpu_nuts_evaluated"):
-                _drive(lib, args, evaluate, chains, n, d)
+                _drive(lib, args, t, ks.stride(0), evaluate, chains, n, d)
         else:
-            _drive(lib, args, evaluate, chains, n, d)
-    return [x_out.view(x.shape), e_out.view(chains), g_out.view(x.shape), accept.view(chains), flags[0].view(chains),
-            flags[1].view(chains), error.view(chains), ints[0].view(chains), ints[1].view(chains)]
+            _drive(lib, args, t, ks.stride(0), evaluate, chains, n, d)
+    shape, each = lead + tuple(x.shape), lead + chains
+    return [x_out.view(shape), e_out.view(each), g_out.view(shape), accept.view(each), flags[0].view(each),
+            flags[1].view(each), error.view(each), ints[0].view(each), ints[1].view(each)]
 
 
 def _flat(t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -320,11 +351,11 @@ def _flat(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return t.reshape(shape).contiguous()
 
 
-def _drive(lib: ctypes.CDLL, args: _Args, evaluate: Callable[[Tensor], tuple[Tensor, Tensor]],
-           chains: tuple[int, ...], n: int, d: int) -> None:
+def _drive(lib: ctypes.CDLL, args: _Args, n_trans: int, key_stride_t: int,
+           evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], chains: tuple[int, ...], n: int, d: int) -> None:
     pending = torch.empty(n, d, dtype=torch.float32)
     left = ctypes.c_int64(0)
-    ctx = lib.fnebm_nuts_begin(ctypes.byref(args), pending.data_ptr(), ctypes.byref(left))
+    ctx = lib.fnebm_nuts_begin(ctypes.byref(args), n_trans, key_stride_t, pending.data_ptr(), ctypes.byref(left))
     if not ctx:
         raise MemoryError("the C NUTS kernel could not allocate its scratch")
     try:

@@ -249,8 +249,36 @@ def _kernel_traces(step: Any) -> bool:
     return families.covers(step.keywords["energy_fn"], families.C_NUTS) is None
 
 
+def _kernel_many(step: Any, state: NUTSState, keys: Tensor) -> tuple[NUTSState, NUTSInfo] | None:
+    """``keys: (T, *chains, 2)``: the ``T`` transitions of ``step`` from ``state``, stacked, when the C
+    kernel runs them on an energy it evaluates in torch (:func:`fnebm.kernels.cpu_nuts.nuts_transitions`:
+    each chain goes on to its next transition without waiting for the others' trees; the same
+    transitions as ``T`` calls of the step, bit for bit); ``None`` when the step would not take
+    that kernel (then call it ``T`` times). Eager runs of ``sample_chain`` use it."""
+    kw = step.keywords
+    energy_fn = kw["energy_fn"]
+    if (kw["backend"] == "torch" or families.covers(energy_fn, families.C_NUTS) is None
+            or not isinstance(keys, Tensor) or keys.ndim < 2):
+        return None
+    fr.check_key(keys)
+    x = state.position
+    imm = kw["inverse_mass_matrix"]
+    if imm is None:
+        imm = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    reason, dense, imm = _why_not_c(state, keys[0], energy_fn, kw["step_size"], imm, kw["integrator"])
+    if reason is not None:
+        return None
+    evaluate = evaluator(energy_fn, keys.ndim - 2, kw["compile_energy"])
+    with evaluate.scope():
+        out = cpu_nuts.nuts_transitions(evaluate, x, state.energy, state.grad, keys, kw["step_size"], imm, dense,
+                                        max_tree_depth=kw["max_tree_depth"], coefficients=kw["integrator"],
+                                        divergence_threshold=kw["divergence_threshold"])
+    return NUTSState(*out[:3]), NUTSInfo(*out[3:])
+
+
 _step.kernel_reason = _kernel_reason  # the step's transition kernel check, read by fnebm.kernels.dispatch
 _step.kernel_traces = _kernel_traces
+_step.kernel_many = _kernel_many  # several transitions at once, read by fnebm.chain's eager loop
 
 
 def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
