@@ -161,8 +161,10 @@ class TorchEngine:
         scan needs and eager code does not: no copy of the state at every step (nothing mutates
         it), and no stack of every step's draws when a chunk keeps a few of them."""
         state, outs = self.state, []
-        for i in range(ts.shape[0]):
-            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
+        # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
+        steps = range(int(ts[0]), int(ts[0]) + ts.shape[0]) if ts.device.type == "cpu" and ts.shape[0] else ts
+        for i, t in enumerate(steps):
+            state, info = self.step(state, fr.fold_in(self.keys, t))
             if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
                 outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
         if not outs:
