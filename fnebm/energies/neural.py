@@ -103,6 +103,10 @@ class _CheckedOnce:
 # ------------------------------------------------------------------------------- modules
 
 
+# modules whose batch form passed the check, with their submodules' training flags then
+_MODULES_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @dataclass(frozen=True, eq=False)
 class ModuleEnergy(_CheckedOnce):
     """:func:`from_module`'s ``energy_fn``: ``energy_fn(params, x)`` of one sample ``x: event`` -> 0-dim,
@@ -138,6 +142,20 @@ class ModuleEnergy(_CheckedOnce):
         out = _batch_out(raw, xs.shape[0], "module")
         self._check_once(lambda x1: torch.func.functional_call(self.module, params, (x1,)).reshape(1), xs, out)
         return out
+
+    def _check_once(self, one: Callable[[Tensor], Tensor], xs: Tensor, out: Tensor) -> None:
+        # from_module is called anew in every iteration of a training loop: a module checked before in
+        # the same train/eval modes is not checked again (three one-sample passes a call)
+        # is_concrete first: under torch.compile it is a constant False, so no guard on the flag
+        if not _checks.is_concrete(xs) or xs.ndim < 1 or xs.shape[0] < 2 or self._checked:
+            return
+        modes = tuple(m.training for m in self.module.modules())
+        if _MODULES_CHECKED.get(self.module) == modes:
+            object.__setattr__(self, "_checked", True)
+            return
+        super()._check_once(one, xs, out)
+        if self._checked:
+            _MODULES_CHECKED[self.module] = modes
 
     def _holds(self, params: Any, xs: Tensor) -> bool:
         """Whether ``functional_call(module, params, (xs,))`` is ``module(xs)``: eager plain tensors that

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fnebm import _checks
+from fnebm.energies.neural import batch_form
 from fnebm.gradients import value_and_grad
 
 __all__ = [
@@ -326,8 +327,11 @@ def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> 
         "an energy takes one sample x and returns a 0-dim energy; a batched energy "
         "E(X: (n, d)) -> (n,) can be wrapped as lambda x: E(x[None])[0]"
     )
+    declared = batch_form(energy_fn) is not None
     try:
-        value = energy_fn(position)
+        # an energy with a batch form checks its output's shape itself (one energy per sample), so the
+        # pair is computed at once: no separate forward pass that only looks at the value's shape
+        value, grad = value_and_grad(energy_fn)(position) if declared else (energy_fn(position), None)
     except (IndexError, RuntimeError) as e:
         raise ValueError(
             f"energy_fn failed on one sample of shape {tuple(position.shape)} "
@@ -345,4 +349,4 @@ def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> 
         )
     if not value.is_floating_point():
         raise TypeError(f"energy_fn must return a floating tensor, got dtype {value.dtype}")
-    return value_and_grad(energy_fn)(position)
+    return (value, grad) if declared else value_and_grad(energy_fn)(position)
