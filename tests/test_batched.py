@@ -222,6 +222,7 @@ def test_a_module_is_called_as_it_is_only_while_it_holds_the_params_tensors(monk
 
     value_and_grad(E.bind(fn, params), 1)(xs)  # the batch check (one-sample calls) runs once
     check(params, True)
+    assert all(p.requires_grad and p.grad is None for p in net.parameters())  # a module being trained: untouched
     check({k: 2 * v for k, v in params.items()}, False)  # other values
     with torch.no_grad():
         net[0].weight.mul_(3.0)  # in place: the params share the module's memory and see it
