@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from fnebm import _checks
 from fnebm.energies.base import Energy
-from fnebm.energies.neural import batch_form
+from fnebm.energies.neural import batch_form, plain_batch
 
 __all__ = ["value_and_grad", "score"]
 
@@ -83,7 +83,7 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
         if _plain_eager(energy, xs):
             with torch.enable_grad():
                 leaf = xs.detach().requires_grad_(True)
-                value = batch(leaf)
+                value = plain_batch(energy, batch)(leaf)
                 (grad,) = torch.autograd.grad(value.sum(), leaf)
             value = value.detach()
         else:
@@ -105,7 +105,7 @@ def _one_sample_of_a_batch(energy, batch, one, x: Tensor) -> tuple[Tensor, Tenso
     xs, level = found
     with _outside_vmap(), torch.enable_grad():
         leaf = xs.detach().requires_grad_(True)
-        value = batch(leaf)
+        value = plain_batch(energy, batch)(leaf)
         (grad,) = torch.autograd.grad(value.sum(), leaf)
     return _add_batch_dim(value.detach(), 0, level), _add_batch_dim(grad, 0, level)
 

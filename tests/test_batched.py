@@ -202,6 +202,59 @@ def test_batched_functions_with_and_without_params():
         E.batched(3)
 
 
+def test_a_module_is_called_as_it_is_only_while_it_holds_the_params_tensors(monkeypatch):
+    # value_and_grad's eager path calls the module directly while the params are its own tensors,
+    # else functional_call on the params (what they mean); the values are the same either way
+    net = _net()
+    fn, params = E.from_module(net)
+    xs = _xs(5, 6)
+    real = torch.func.functional_call
+
+    def check(p, direct):
+        calls = []
+        monkeypatch.setattr(torch.func, "functional_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+        v, g = value_and_grad(E.bind(fn, p), 1)(xs)
+        monkeypatch.setattr(torch.func, "functional_call", real)
+        assert (not calls) == direct
+        want = torch.func.vmap(torch.func.grad_and_value(lambda x: real(net, p, (x[None],)).reshape(())))(xs)
+        torch.testing.assert_close((g, v), want, rtol=1e-12, atol=1e-12)
+        assert not v.requires_grad and not g.requires_grad
+
+    value_and_grad(E.bind(fn, params), 1)(xs)  # the batch check (one-sample calls) runs once
+    check(params, True)
+    assert all(p.requires_grad and p.grad is None for p in net.parameters())  # a module being trained: untouched
+    check({k: 2 * v for k, v in params.items()}, False)  # other values
+    with torch.no_grad():
+        net[0].weight.mul_(3.0)  # in place: the params share the module's memory and see it
+    check(params, True)
+    old = net[2].weight
+    net[2].weight = nn.Parameter(old.detach() + 1.0)  # a new tensor in the module: the params keep the old one
+    check(params, False)
+    net[2].weight = old
+    check(params, True)
+    net[4] = nn.Linear(16, 1).to(F64)  # a submodule replaced: its params no longer match
+    check(params, False)
+    # energy.batch itself is unchanged: functional_call, no graph through the module's parameters
+    assert not fn.batch(params, xs).requires_grad
+
+
+def test_a_module_is_checked_once_per_train_and_eval_modes(monkeypatch):
+    from fnebm.energies import neural
+
+    net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.0), nn.Linear(8, 1)).to(F64)
+    checks = []
+    real = neural._agree
+    monkeypatch.setattr(neural, "_agree", lambda *a: checks.append(1) or real(*a))
+    xs = _xs(4, 6)
+    for _ in range(3):  # from_module anew each time, as a training loop calls it
+        value_and_grad(E.bind(*E.from_module(net)), 1)(xs)
+    assert len(checks) == 1
+    net.eval()  # another mode: checked again, once
+    for _ in range(2):
+        value_and_grad(E.bind(*E.from_module(net)), 1)(xs)
+    assert len(checks) == 2
+
+
 class _Centre(nn.Module):
     def forward(self, h):
         return h - h.mean(0)  # across the batch: each sample's output depends on the others

@@ -134,6 +134,47 @@ def test_langevin_flags_divergence_and_stays_put():
     assert torch.isfinite(state.position).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
+@pytest.mark.parametrize("chains", [(), (7,), (2, 3)])
+def test_all_finite_flags_exactly_the_chains_with_a_nan_or_inf(dtype, chains):
+    # the eager forms (NumPy on the CPU; sum(x - x) == 0 for bfloat16, under vmap and with autograd)
+    # against isfinite masks, with NaN, inf and -inf dotted about and huge finite values (no overflow)
+    from fnebm.samplers.base import all_finite
+
+    g = torch.Generator().manual_seed(len(chains) + 10 * int(dtype == F64))
+    big = torch.finfo(dtype).max
+    e, a, b = (torch.randn(chains + shape, generator=g).to(dtype) for shape in ((), (5,), (5,)))
+    a[..., :2] = big  # a sum of these overflows: the check must not call them non-finite
+    for t, bad in ((e, math.nan), (a, math.inf), (b, -math.inf), (a, math.nan)):
+        flat = t.reshape(-1)
+        flat[torch.randint(flat.numel(), (1,), generator=g)] = bad
+    want = torch.isfinite(e) & torch.isfinite(a).flatten(len(chains)).all(-1) & torch.isfinite(b).flatten(len(chains)).all(-1)
+    assert not want.all() if chains else True
+    got = all_finite(e, a, b, n_batch=len(chains))
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    tracked = [t.clone().requires_grad_(dtype != torch.bfloat16) for t in (e, a, b)]
+    assert torch.equal(all_finite(*tracked, n_batch=len(chains)), want)
+    if chains:
+        mapped = torch.func.vmap(lambda u, v, w: all_finite(u, v, w, n_batch=len(chains) - 1))(e, a, b)
+        assert torch.equal(mapped, want)
+
+
+def test_select_returns_the_new_state_itself_only_when_every_chain_takes_it():
+    from fnebm.samplers.langevin import LangevinState
+    from fnebm.samplers.proposal import select
+
+    old = LangevinState(torch.zeros(4, 3), torch.zeros(4), torch.zeros(4, 3))
+    new = LangevinState(torch.ones(4, 3), torch.ones(4), torch.ones(4, 3))
+    assert select(torch.ones(4, dtype=torch.bool), new, old) is new
+    mask = torch.tensor([True, False, True, True])
+    got = select(mask, new, old)
+    assert type(got) is type(new) and torch.equal(got.energy, mask.to(torch.float32))
+    assert torch.equal(got.position, mask[:, None].expand(4, 3).to(torch.float32))
+    # autograd through the choice: torch.where (the old state stays in the graph)
+    tracked = new._replace(position=new.position.requires_grad_(True))
+    assert select(torch.ones(4, dtype=torch.bool), tracked, old) is not tracked
+
+
 def test_float32_chain_follows_the_inputs():
     e = E.double_well()
     alg = fnebm.langevin(e, 0.01)

@@ -84,6 +84,7 @@ class TorchEngine:
         self.on_plan, self.fall_back = on_plan, fall_back
         self.state = _chains_last(chain.state) if n_chain_axes == 1 else chain.state
         self.device = chain.keys.device
+        self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
 
     def first_size(self, chunk_size: int) -> int:
         per = self.ledger.step_s()
@@ -117,6 +118,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         ts = self.start + torch.arange(a, b, device=self.device)
         thinned = False  # the outputs hold only the kept steps (the eager runner keeps no others)
+        reused = int(self.first is not None and not self.plan.compiled)  # a step the probe ran: not timed here
         if self.plan.compiled:
             if b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
@@ -135,9 +137,9 @@ class TorchEngine:
         else:
             ran, thinned = self._eager(ts, kept), True
         self.state, out, info = ran
-        if not self.plan.compiled and self.record:
+        if not self.plan.compiled and self.record and b - a > reused:
             sync(self.device)
-            self.ledger.record(time.perf_counter() - t0, b - a)
+            self.ledger.record(time.perf_counter() - t0, b - a - reused)
         if kept is None:
             return
         outs = pytree.tree_leaves((out, info))
@@ -166,8 +168,14 @@ class TorchEngine:
             if ran is not None:
                 return ran
         state, outs = self.state, []
-        for i in range(ts.shape[0]):
-            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
+        # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
+        steps = range(int(ts[0]), int(ts[0]) + ts.shape[0]) if ts.device.type == "cpu" and ts.shape[0] else ts
+        first, self.first = self.first, None
+        for i, t in enumerate(steps):
+            if i == 0 and first is not None:
+                state, info = first  # the same step on the same state and key, run by the probe
+            else:
+                state, info = self.step(state, fr.fold_in(self.keys, t))
             if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
                 outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
         if not outs:

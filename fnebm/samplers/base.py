@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fnebm import _checks
+from fnebm.energies.neural import batch_form
 from fnebm.gradients import value_and_grad
 
 __all__ = [
@@ -199,19 +200,28 @@ def all_finite(scalar: Tensor, *events: Tensor, n_batch: int) -> Tensor:
     """Per chain, whether ``scalar: batch`` and every entry of each ``events`` tensor
     ``(*batch, *event)`` (all of one event shape) are finite: ``batch`` bools.
 
-    Computed as ``max |.| < inf`` (``maximum`` and ``amax`` propagate NaN, and NaN compares
-    False), not as an ``all`` of ``isfinite`` masks: the same answer, but float reductions
+    Compiled, it is ``max |.| < inf`` (``maximum`` and ``amax`` propagate NaN, and NaN compares
+    False), not an ``all`` of ``isfinite`` masks: the same answer, but float reductions
     compile to plain vector code, where Inductor's CPU code for bool-mask reductions converts
     masks lane by lane (a 10,000 x 10 Langevin step: about 50 us of 580; docs/performance.md).
-    Eager code takes the masks: ``isfinite`` writes a byte an element where ``abs`` and
-    ``maximum`` write four, a third of the memory traffic for the same answer.
+    Eagerly on the CPU, NumPy's ``isfinite`` and ``all`` on the same memory: one vectorised pass
+    a tensor on the calling thread, where torch's ``isfinite`` runs four operations and a bool
+    reduction, each a parallel region that waits for a sleeping thread on a busy machine
+    (128 x 784 gradient and proposal: 0.04 ms against 0.45-0.8 ms). Elsewhere eagerly, it is
+    ``sum(x - x) == 0``: ``x - x`` is 0 where ``x`` is finite and NaN where it is not
+    (``inf - inf``), so the sum is exactly 0 or NaN (it cannot overflow). The same answer everywhere.
     """
     if not torch.compiler.is_compiling():
-        ok = torch.isfinite(scalar)
+        ok = _all_finite_numpy(scalar, events, n_batch)
+        if ok is not None:
+            return ok
+        s = scalar.detach()  # no autograd graph for a check (a gradient through a chain)
+        s = s - s
         if events and math.prod(events[0].shape[n_batch:]) > 0:
             for t in events:
-                ok = ok & torch.isfinite(t).reshape(t.shape[:n_batch] + (-1,)).all(-1)
-        return ok
+                t = t.detach()
+                s = s + (t - t).reshape(t.shape[:n_batch] + (-1,)).sum(-1)
+        return s == 0
     m = scalar.abs()
     if events and math.prod(events[0].shape[n_batch:]) > 0:
         big = events[0].abs()
@@ -219,6 +229,29 @@ def all_finite(scalar: Tensor, *events: Tensor, n_batch: int) -> Tensor:
             big = torch.maximum(big, t.abs())
         m = torch.maximum(m, big.reshape(big.shape[:n_batch] + (-1,)).amax(-1))
     return m < math.inf
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) -> Tensor | None:
+    """:func:`all_finite` by NumPy for eager plain CPU tensors (``None`` where it does not apply)."""
+    for t in (scalar, *events):
+        if (type(t) is not Tensor or t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES
+                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return None
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - torch without NumPy
+        return None
+    try:
+        ok = np.isfinite(scalar.detach().numpy())
+        if events and math.prod(events[0].shape[n_batch:]) > 0:
+            for t in events:
+                ok = ok & np.isfinite(t.detach().numpy().reshape(tuple(t.shape[:n_batch]) + (-1,))).all(-1)
+    except RuntimeError:  # a tensor NumPy cannot view (a lazy negation, say)
+        return None
+    return torch.from_numpy(np.asarray(ok, dtype=np.bool_))
 
 
 def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:
@@ -294,8 +327,11 @@ def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> 
         "an energy takes one sample x and returns a 0-dim energy; a batched energy "
         "E(X: (n, d)) -> (n,) can be wrapped as lambda x: E(x[None])[0]"
     )
+    declared = batch_form(energy_fn) is not None
     try:
-        value = energy_fn(position)
+        # an energy with a batch form checks its output's shape itself (one energy per sample), so the
+        # pair is computed at once: no separate forward pass that only looks at the value's shape
+        value, grad = value_and_grad(energy_fn)(position) if declared else (energy_fn(position), None)
     except (IndexError, RuntimeError) as e:
         raise ValueError(
             f"energy_fn failed on one sample of shape {tuple(position.shape)} "
@@ -313,4 +349,4 @@ def energy_and_grad(energy_fn: Callable[[Tensor], Tensor], position: Tensor) -> 
         )
     if not value.is_floating_point():
         raise TypeError(f"energy_fn must return a floating tensor, got dtype {value.dtype}")
-    return value_and_grad(energy_fn)(position)
+    return (value, grad) if declared else value_and_grad(energy_fn)(position)

@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fnebm import _checks
 from fnebm import random as fr
 
 __all__ = ["Decision", "metropolis_hastings", "select"]
@@ -39,9 +40,37 @@ def metropolis_hastings(key: Tensor, log_alpha: Tensor, finite: Tensor) -> Decis
 
 
 def select(mask: Tensor, new: Any, old: Any) -> Any:
-    """Per chain, ``new`` where ``mask`` else ``old``: pytrees of ``(*chains, ...)`` tensors, ``mask: chains``."""
+    """Per chain, ``new`` where ``mask`` else ``old``: pytrees of ``(*chains, ...)`` tensors, ``mask: chains``.
+
+    Eagerly on the CPU, a mask that is all true returns ``new`` itself: the values ``torch.where``
+    would copy, without a pass over every field (a 128 x 784 Langevin step: about 0.15 ms). Reading
+    the mask there costs no device sync; compiled, on other devices, under ``torch.func`` and where
+    autograd tracks a field, it is ``torch.where``.
+    """
+    if _all_chosen(mask, new, old):
+        return new
 
     def pick(a: Tensor, b: Tensor) -> Tensor:
         return torch.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
 
     return pytree.tree_map(pick, new, old)
+
+
+def _all_chosen(mask: Tensor, new: Any, old: Any) -> bool:
+    """Whether ``select`` may return ``new`` as it is: eager plain CPU tensors, nothing tracked by
+    autograd, ``new`` of ``old``'s shapes and dtypes (what ``torch.where`` would return), and
+    ``mask`` all true."""
+    if mask.device.type != "cpu":
+        return False
+    if type(new) is type(old) and isinstance(new, tuple):  # a state NamedTuple of tensors: no pytree walk
+        a, b = new, old
+    else:
+        a, b = pytree.tree_leaves(new), pytree.tree_leaves(old)
+    if len(a) != len(b) or not _checks.is_concrete(mask, *a, *b):
+        return False
+    grad = torch.is_grad_enabled()
+    for x, y in zip(a, b):
+        if (not isinstance(x, Tensor) or not isinstance(y, Tensor) or x.shape != y.shape or x.dtype != y.dtype
+                or x.device != y.device or (grad and (x.requires_grad or y.requires_grad))):
+            return False
+    return bool(mask.all())
