@@ -166,6 +166,7 @@ class TorchEngine:
         if many is not None and ts.shape[0] > 1:
             ran = self._eager_many(many, ts, kept)
             if ran is not None:
+                self.first = None  # step 0 ran again in the block (the probe's copy is not needed)
                 return ran
         state, outs = self.state, []
         # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
