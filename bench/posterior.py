@@ -530,7 +530,8 @@ def _time_or_timeout(res: dict, key: str):
         return "error"
     if key == "first_with_import_s":
         return res.get(key)
-    return res["calls"][0 if key == "first" else 1]["total_s"] if key in ("first", "again") else None
+    i = {"first": 0, "again": 1}.get(key)
+    return res["calls"][i]["total_s"] if i is not None and i < len(res["calls"]) else None
 
 
 def run_workload(workload: str, args) -> dict:
