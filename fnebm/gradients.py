@@ -37,10 +37,16 @@ def _one_sample(energy: Callable[[Tensor], Tensor]) -> Callable[[Tensor], tuple[
             return energy(x), energy.grad(x)
 
         return closed
-    grad_and_value = torch.func.grad_and_value(energy)
-
     def fn(x: Tensor) -> tuple[Tensor, Tensor]:
-        grad, value = grad_and_value(x)  # torch.func orders them (grad, value)
+        # torch.func.grad would seed the pullback with ones_like(value), which under vmap is a
+        # batched (n,) tensor: a last layer `h @ w` then pulls back as the product ones(n, 1) @ w.T,
+        # a matrix product per evaluation. A 0-dim 1, not batched, pulls back as w itself, which
+        # the next elementwise operation broadcasts: the same numbers, to the bit.
+        value, pullback = torch.func.vjp(energy, x)
+        if not isinstance(value, Tensor) or value.ndim != 0:
+            raise ValueError(f"energy must return a 0-dim tensor for one sample, got "
+                             f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+        (grad,) = pullback(torch.ones((), dtype=value.dtype, device=value.device))
         return value, grad
 
     return fn

@@ -336,6 +336,52 @@ def test_cd_evaluates_the_positives_once():
         assert calls.count(False) == init_calls.count(False) + loss_forwards, init
 
 
+@pytest.mark.compile
+def test_cd_evaluates_the_positives_once_under_compile():
+    # Inside torch.compile a sampler's step is a plain partial (Step.of), so the loss asks its
+    # kernel whether the state caches E (samplers.base.caches_energy_of). Dynamo runs the
+    # energy's Python once per traced call site: init, k unrolled steps, the loss's E(x⁻) (and,
+    # for a sampler that does not say so, E(x⁺)). backend="eager": tracing only, a few seconds.
+    from fnebm.samplers import base
+
+    net = _mlp_energy(4)
+    sites = []
+
+    def counting(params, y):
+        sites.append(1)  # a side effect Dynamo replays once per traced call
+        return net.energy_fn(params, y)
+
+    energy = E.bind(counting, net.params)
+    x = fr.normal(fr.key(28), (16, 3), F64)
+    k = 2
+
+    def opaque(e):  # Langevin behind a step Step.of does not make: the loss cannot trust its state
+        alg = fnebm.langevin(e, 0.05, 0.5)
+        return fnebm.SamplingAlgorithm(alg.init, functools.partial(lambda s, key: alg.step(s, key)))
+
+    for sampler, loss_forwards in ((lambda e: fnebm.langevin(e, 0.05, 0.5), 1),
+                                   (lambda e: fnebm.mala(e, 0.05), 1), (opaque, 2)):
+        sites.clear()
+        alg = sampler(energy)
+        state = torch.func.vmap(alg.init)(x)
+        init_sites = len(sites)  # the init's checks call the energy too (a dead value under compile)
+        alg.step(state, fr.split(fr.key(29), 16))
+        step_sites = len(sites) - init_sites
+
+        def grad_cd(energy, x, key):
+            return torch.func.grad(L.contrastive_divergence, has_aux=True)(energy, x, key, sampler=sampler,
+                                                                          n_steps=k)[0]
+
+        sites.clear()
+        grads = torch.compile(grad_cd, fullgraph=True, backend="eager")(energy, x, fr.key(30))
+        assert len(sites) == init_sites + k * step_sites + loss_forwards, (loss_forwards, sites)
+        for a, b in zip(pytree.tree_leaves(grads), pytree.tree_leaves(grad_cd(energy, x, fr.key(30)))):
+            torch.testing.assert_close(a, b)
+    # what the loss reads: the kernels say which state caches E; a kernel that says nothing, no
+    assert base.state_caches_energy(functools.partial(fnebm.langevin(energy, 0.1).step.func),
+                                    fnebm.langevin(energy, 0.1).init(x[0])) is False  # eager: only a Step says so
+
+
 # ------------------------------------------------------------------------------------ PCD
 
 

@@ -36,7 +36,7 @@ from fnebm import _checks
 from fnebm import random as fr
 from fnebm._loop import run
 from fnebm.losses import _common
-from fnebm.samplers.base import step_fields
+from fnebm.samplers.base import state_caches_energy
 from fnebm.samplers.langevin import langevin
 
 __all__ = [
@@ -102,10 +102,10 @@ torch.serialization.add_safe_globals([PCDState])
 def _caches_energy(alg: Any, state: Any) -> bool:
     """Whether ``state`` (from ``alg.init``) holds ``energy = E(position)``, computed by the sampler's
     ``init`` through the energy it was given: its ``Step`` says so (``caches_energy``; fnebm's
-    Langevin, MALA, HMC and NUTS do, through samplers.base.init_position_state). A sampler that
-    does not say so has its positives' energies computed by the loss."""
-    fields = step_fields(alg.step)
-    return fields is not None and fields.caches_energy and isinstance(state, fields.state_type)
+    Langevin, MALA, HMC and NUTS do, through samplers.base.init_position_state), and inside a
+    compiled region its kernel does (:func:`fnebm.samplers.base.state_caches_energy`). A sampler
+    that does not say so has its positives' energies computed by the loss."""
+    return state_caches_energy(alg.step, state)
 
 
 # ------------------------------------------------------------------------------- checks

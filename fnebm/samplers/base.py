@@ -46,6 +46,8 @@ __all__ = [
     "check_position",
     "energy_and_grad",
     "init_position_state",
+    "caches_energy_of",
+    "state_caches_energy",
 ]
 
 
@@ -136,6 +138,38 @@ def _short(value: Any) -> str:
 def step_fields(step: Any) -> Step | None:
     """``step`` when it is a sampler's :class:`Step` that says what it is, else ``None`` (opaque)."""
     return step if isinstance(step, Step) and "sampler" in step.__dict__ else None
+
+
+_CACHED_STATE = "fnebm_caches_energy_state"
+
+
+def caches_energy_of(state_type: type) -> Callable[[Callable], Callable]:
+    """Decorator for the function a sampler gives :meth:`Step.of` (its kernel, or the wrapper
+    around it): states of ``state_type`` that its ``init`` makes hold ``energy = energy_fn(position)``.
+
+    What ``Step.of(caches_energy=True)`` says, kept on the function itself, so that it can be
+    read inside a ``torch.compile`` region too, where ``Step.of`` gives a plain partial
+    (:func:`state_caches_energy`). Dynamo reads a function's attributes as constants.
+    """
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _CACHED_STATE, state_type)
+        return fn
+
+    return mark
+
+
+def state_caches_energy(step: Any, state: Any) -> bool:
+    """Whether ``state`` (from the sampler's ``init``) holds ``energy = energy_fn(position)``: the
+    :class:`Step` says so (``caches_energy``), or, inside a compiled region, where the step is a
+    plain partial, the function it wraps does (:func:`caches_energy_of`). Any other step: ``False``."""
+    fields = step_fields(step)
+    if fields is not None:
+        return fields.caches_energy and isinstance(state, fields.state_type)
+    if torch.compiler.is_compiling() and isinstance(step, functools.partial):
+        state_type = getattr(step.func, _CACHED_STATE, None)
+        return state_type is not None and isinstance(state, state_type)
+    return False
 
 
 class KernelCache:

@@ -26,6 +26,7 @@ from fnebm.samplers.base import (
     check_energy,
     init_position_state,
     all_finite,
+    caches_energy_of,
     per_chain,
 )
 from fnebm.samplers.proposal import metropolis_hastings, select
@@ -84,6 +85,7 @@ def build_kernel(
     """
     transition = build_transition(integrator, divergence_threshold)
 
+    @caches_energy_of(HMCState)
     def kernel(state: HMCState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
                inverse_mass_matrix, num_integration_steps, step_size_jitter: Tensor | None = None,
                trajectory_jitter: bool = False):
@@ -230,6 +232,7 @@ def hmc(
     return SamplingAlgorithm(functools.partial(init, energy_fn=energy_fn), step)
 
 
+@caches_energy_of(HMCState)
 def _identity_metric(kernel, state, key, energy_fn, step_size, **extra):
     ones = torch.ones(state.position.shape[-1], dtype=state.position.dtype, device=state.position.device)
     return kernel(state, key, energy_fn, step_size, ones, **extra)

@@ -23,6 +23,7 @@ from fnebm.samplers.base import (
     check_energy,
     init_position_state,
     all_finite,
+    caches_energy_of,
     per_chain,
 )
 from fnebm.samplers.proposal import select
@@ -64,6 +65,7 @@ def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:
     key: ``(*chains, 2)``; step_size, noise_scale: tensors, 0-dim or one per chain.
     """
 
+    @caches_energy_of(LangevinState)
     def kernel(state: LangevinState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor,
                noise_scale: Tensor):
         batch = chain_axes(state.energy, key)

@@ -23,6 +23,7 @@ from fnebm.samplers.base import (
     check_energy,
     init_position_state,
     all_finite,
+    caches_energy_of,
     event_sum,
     per_chain,
 )
@@ -89,6 +90,7 @@ def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
     step_size: a tensor, 0-dim or one per chain (see :mod:`fnebm.samplers.base`).
     """
 
+    @caches_energy_of(MALAState)
     def kernel(state: MALAState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor):
         batch = chain_axes(state.energy, key)
         x, energy, grad = state
