@@ -39,6 +39,7 @@ from fnebm.kernels import cpu_nuts, families
 from fnebm.kernels.dispatch import BackendUnavailable
 from fnebm.integrators.symplectic import IntegratorState, velocity_verlet
 from fnebm.samplers.base import (
+    caches_energy_of,
     Step,
     KernelCache,
     SamplingAlgorithm,
@@ -206,6 +207,7 @@ def nuts(
 BACKENDS = ("auto", "c", "torch")
 
 
+@caches_energy_of(NUTSState)
 def _step(kernel, state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
           max_tree_depth: int, integrator: tuple[float, ...], divergence_threshold: float,
           backend: str, compile_energy: bool | str = "auto") -> tuple[NUTSState, NUTSInfo]:
