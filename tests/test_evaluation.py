@@ -217,3 +217,24 @@ def test_eager_chains_run_many_transitions_per_call_with_the_same_draws(monkeypa
     for a, b in zip(got[0].state, want[0].state):
         assert torch.equal(a, b)
     assert got[2].num_integration_steps.unique().numel() > 1
+
+
+def test_threads_are_chosen_by_timing_under_auto_only(monkeypatch):
+    # a thread count can change a reduction's rounding: True/False keep torch's threads (same bits
+    # every run); "auto" times its first calls both ways
+    set_to = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: set_to.append(n))
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    x = fr.normal(fr.key(14), (3, 2))
+    f = _fresh(energy)
+    for _ in range(evaluation.TUNE_CALLS):
+        evaluation.evaluator(f, 1, False)(x)
+    with evaluation.evaluator(f, 1, False).scope():
+        pass
+    assert set_to == []
+    for _ in range(evaluation.TUNE_CALLS):
+        evaluation.evaluator(f, 1, "auto")(x)
+    assert 1 in set_to and evaluation._evaluation(f, 1).one_thread is not None
+    assert real is not torch.set_num_threads

@@ -24,7 +24,12 @@ Threads: an evaluation of a small energy is a few hundred microseconds, and torc
 regions can cost more than they save there (on a busy 2-core machine a 2-thread evaluation of a
 1,000-row logistic regression took 7.5 ms against 0.24 ms on one thread). So an evaluator times
 its first :data:`TUNE_CALLS` calls (eager, and again once compiled) alternately on torch's
-threads and on one, and keeps the faster; one thread is set only around its own calls.
+threads and on one, and keeps the faster; one thread is set only around its own calls. That
+is ``"auto"``'s only: a thread count can change a reduction's rounding, and ``"auto"``'s
+choices (the threads, and when it traces and compiles) follow timings, so its evaluations can
+round differently from run to run (the keys, and so the draws up to float tolerance, do not
+change). ``compile_energy=True`` or ``False`` keep torch's threads and give the same bits every
+run.
 
 A compile that fails (an energy Dynamo cannot trace) is warned of once and the evaluations stay
 eager. One evaluator is kept per energy object (the last 16), so the warm-up's samplers, rebuilt
@@ -99,11 +104,12 @@ class _Evaluation:
             self.scoped = False
             torch.set_num_threads(threads)
 
-    def run(self, fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple[tuple[Tensor, Tensor], float]:
-        """``fn(x)`` on the chosen threads (timing both ways while undecided), and its seconds."""
+    def run(self, fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor,
+            tune: bool = True) -> tuple[tuple[Tensor, Tensor], float]:
+        """``fn(x)`` on the chosen threads (timing both ways while undecided, when ``tune``), and its seconds."""
         import torch
 
-        if self.scoped:
+        if self.scoped or not tune:
             t0 = time.perf_counter()
             out = fn(x)
             return out, time.perf_counter() - t0
@@ -143,9 +149,9 @@ class _Evaluation:
                           "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
         self.compiled = torch.compile(self.entry, dynamic=False)
 
-    def compiled_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def compiled_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         if self.compile_s is not None:
-            return self.run(self.compiled, x)[0]
+            return self.run(self.compiled, x, tune)[0]
         t0 = time.perf_counter()
         try:
             out = self.compiled(x)
@@ -160,7 +166,7 @@ class _Evaluation:
         self.one_thread, self.trials = None, []  # compiled code: time the threads again
         return out
 
-    def traced_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def traced_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         """The evaluation traced once by Dynamo and AOTAutograd and run as plain aten calls (the
         ``aot_eager`` backend): no code generation, a second or two to trace, and none of
         ``torch.func``'s per-operation overhead at every call (1.75x faster than eager on the
@@ -178,12 +184,12 @@ class _Evaluation:
             self.eager_s += time.perf_counter() - t0
             self.one_thread, self.trials = None, []  # new code: time the threads again
             return out
-        out, seconds = self.run(self.traced, x)
+        out, seconds = self.run(self.traced, x, tune)
         self.eager_s += seconds
         return out
 
-    def eager_call(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        out, seconds = self.run(self.eager, x)
+    def eager_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
+        out, seconds = self.run(self.eager, x, tune)
         self.eager_s += seconds
         return out
 
@@ -253,19 +259,19 @@ class Evaluate:
         self.ev, self.mode = ev, compile
 
     def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        ev = self.ev
+        ev, tune = self.ev, self.mode == "auto"  # threads are chosen by timing under "auto" only
         if self.mode is False or ev.failed is not None:
-            return ev.eager_call(x)
+            return ev.eager_call(x, tune)
         if self.mode == "auto" and ev.compiled is None and ev.eager_s >= compile_estimate():
             ev.compile_now(announce=True)
         if ev.compiled is not None:
-            return ev.compiled_call(x)
-        if self.mode == "auto" and not ev.trace_failed and (ev.traced is not None or ev.eager_s >= TRACE_AFTER_S):
+            return ev.compiled_call(x, tune)
+        if tune and not ev.trace_failed and (ev.traced is not None or ev.eager_s >= TRACE_AFTER_S):
             return ev.traced_call(x)
-        return ev.eager_call(x)
+        return ev.eager_call(x, tune)
 
     def scope(self) -> contextlib.AbstractContextManager:
-        return self.ev.scope()
+        return self.ev.scope() if self.mode == "auto" else contextlib.nullcontext()
 
 
 def evaluator(energy_fn: Any, chain_ndim: int, compile: bool | str = False) -> Evaluate:
