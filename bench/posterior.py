@@ -25,7 +25,9 @@ the same data and the same starting points on both sides (numpy, fixed seeds):
   its own; fnebm's pooled=None pools over the 4 chains: one step size and mass matrix).
     fnebm     what its docs show a user (docs/api.md "Adaptation"):
               ``warmup = fnebm.window_adaptation(fnebm.nuts, energy, 1000)``,
-              ``state, parameters, _ = warmup.run(x0, key)`` (its default: compile=True),
+              ``state, parameters, _ = warmup.run(x0, key)`` (its default compile=None: True, or,
+              for NUTS in C on such an energy, eager steps whose evaluations compile as
+              nuts(compile_energy=) says),
               ``fnebm.sample_chain(fnebm.nuts(energy, **parameters).step, state, key, 1000)`` (its
               defaults: compile="auto", backend="auto"). --fnebm-compile auto|true|false passes
               that compile= to both calls instead of leaving each on its default.
