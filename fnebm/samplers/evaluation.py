@@ -32,8 +32,9 @@ change). ``compile_energy=True`` or ``False`` keep torch's threads and give the 
 run.
 
 A compile that fails (an energy Dynamo cannot trace) is warned of once and the evaluations stay
-eager. One evaluator is kept per energy object (the last 16), so the warm-up's samplers, rebuilt
-at every iteration, and the sampling after it share its compiled code and its clock.
+eager. One evaluator is kept per energy object (the last 16, which it keeps alive with their
+data), so the warm-up's samplers, rebuilt at every iteration, and the sampling after it share
+its compiled code and its clock.
 """
 
 from __future__ import annotations
