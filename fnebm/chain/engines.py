@@ -168,21 +168,27 @@ class TorchEngine:
             if ran is not None:
                 self.first = None  # step 0 ran again in the block (the probe's copy is not needed)
                 return ran
-        state, outs = self.state, []
-        # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
-        steps = range(int(ts[0]), int(ts[0]) + ts.shape[0]) if ts.device.type == "cpu" and ts.shape[0] else ts
         first, self.first = self.first, None
-        for i, t in enumerate(steps):
-            if i == 0 and first is not None:
+        return self._one_by_one(self.state, ts, 0, kept, [], first)
+
+    def _one_by_one(self, state: Any, ts: Tensor, a: int, kept: Kept | None, outs: list,
+                    first: Any = None) -> tuple[Any, Any, Any]:
+        """Steps ``a`` on of the chunk, one at a time, after the kept ``outs`` so far; ``first``:
+        step ``a``'s ``(state, info)`` when it ran already (the probe's)."""
+        # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
+        n = ts.shape[0]
+        steps = range(int(ts[0]), int(ts[0]) + n) if ts.device.type == "cpu" and n else ts
+        for i in range(a, n):
+            if i == a and first is not None:
                 state, info = first  # the same step on the same state and key, run by the probe
             else:
-                state, info = self.step(state, fr.fold_in(self.keys, t))
-            if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                state, info = self.step(state, fr.fold_in(self.keys, steps[i]))
+            if self._keeps(kept, i):
                 outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
-        if not outs:
-            return state, None, None
-        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
-        return state, out, info
+        return _stacked(state, outs)
+
+    def _keeps(self, kept: Kept | None, i: int) -> bool:
+        return kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0
 
     def _eager_many(self, many: Callable, ts: Tensor, kept: Kept | None) -> tuple[Any, Any, Any] | None:
         """The chunk's steps by the step's own ``kernel_many`` (several transitions per call: a NUTS
@@ -198,29 +204,15 @@ class TorchEngine:
         for a in range(0, n, block):
             b = min(n, a + block)
             ran = many(self.step, state, fr.fold_in(self.keys, ts[a:b].reshape((-1,) + lead)))
-            if ran is None:
-                return None if a == 0 else self._eager_from(state, ts, a, kept, outs)
+            if ran is None:  # the kernel stopped applying: the rest one step at a time
+                return None if a == 0 else self._one_by_one(state, ts, a, kept, outs)
             states, infos = ran
             for i in range(a, b):
-                if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
+                if self._keeps(kept, i):
                     one = type(states)(*(f[i - a] for f in states))
                     outs.append((pytree.tree_map(torch.clone, self.collect(one)), type(infos)(*(f[i - a] for f in infos))))
             state = type(states)(*(f[b - a - 1] for f in states))
-        if not outs:
-            return state, None, None
-        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
-        return state, out, info
-
-    def _eager_from(self, state: Any, ts: Tensor, a: int, kept: Kept | None, outs: list) -> tuple[Any, Any, Any]:
-        """The rest of the chunk, steps ``a`` on, one step at a time (``kernel_many`` stopped applying)."""
-        for i in range(a, ts.shape[0]):
-            state, info = self.step(state, fr.fold_in(self.keys, ts[i]))
-            if kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0:
-                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
-        if not outs:
-            return state, None, None
-        out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
-        return state, out, info
+        return _stacked(state, outs)
 
     def finish(self) -> tuple[Any, Any, Any]:
         final = pytree.tree_map(lambda x: x.contiguous(), self.state)
@@ -239,6 +231,15 @@ _SLICE_S = 0.25  # the longest a launch of the C kernel should take (then Ctrl-C
 _FIRST_SLICE_WORK = 1 << 24
 _GROWTH = 8  # a launch is at most this many times the one before
 _MANY_FLOATS = 1 << 22  # the positions one call of a step's kernel_many writes at most (16 MB of float32)
+
+
+def _stacked(state: Any, outs: list) -> tuple[Any, Any, Any]:
+    """``(state, kept, info)``: the kept ``(collected, info)`` pairs stacked on a new leading axis
+    (``None`` when none was kept)."""
+    if not outs:
+        return state, None, None
+    out, info = pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+    return state, out, info
 
 
 def _first_slice(x: Tensor, energy: Any = None) -> int:
