@@ -238,3 +238,28 @@ def test_threads_are_chosen_by_timing_under_auto_only(monkeypatch):
         evaluation.evaluator(f, 1, "auto")(x)
     assert 1 in set_to and evaluation._evaluation(f, 1).one_thread is not None
     assert real is not torch.set_num_threads
+
+
+def test_inside_a_users_fullgraph_compile_a_plain_function_takes_the_torch_kernel():
+    # the C transition on an evaluated energy returns to Python, so a user's compiled region traces
+    # the torch kernel instead (one graph, no break); new step sizes reuse it; the same trees as
+    # the eager C transition from the same keys, positions to float tolerance
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    f = _fresh(energy)
+    x0, keys = fr.normal(fr.key(15), (8, 2)), fr.split(fr.key(16), 8)
+
+    def run(h, x0, keys):
+        alg = fnebm.nuts(f, h, max_tree_depth=4, compile_energy=False)
+        return alg.step(torch.func.vmap(alg.init)(x0), keys)
+
+    compiled = torch.compile(run, fullgraph=True, backend=counter)
+    frames = None
+    for h in (0.3, 0.5):
+        (got, got_info), (want, want_info) = compiled(torch.tensor(h), x0, keys), run(torch.tensor(h), x0, keys)
+        torch.testing.assert_close(got.position, want.position, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got_info.num_integration_steps, want_info.num_integration_steps)
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames == 1, "a new step size recompiled"
+    assert any(len(g.graph.nodes) > 100 for g in counter.graphs)  # the torch kernel's loop is in the graph
