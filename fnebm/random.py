@@ -32,8 +32,9 @@ overflow), so the stream is bit-identical on every backend.
 Eager calls on CPU tensors run in compiled C where this machine can build it (once, cached):
 the same Philox words, so keys and uniform draws are bit for bit those of the traced path, and
 normal draws agree with it up to float rounding (log, sin and cos are computed by different
-code: a few ulp, measured in docs/performance.md). Compiled code, ``vmap``/``grad`` and other
-devices run the torch operations above.
+code: a few ulp, measured in docs/random.md). Compiled code and ``torch.func`` transforms on the
+CPU call the same C through ``torch.ops.fnebm.*`` (:mod:`fnebm._random_ops`), so they equal the
+eager CPU draws bit for bit; other devices run the torch operations above.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -120,8 +122,29 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 _NUMPY_EAGER = True
 
 
+# CPU draws in compiled code and under vmap go to torch.ops.fnebm.* (fnebm._random_ops): the eager
+# C draws as one opaque call each, where Inductor would otherwise generate and compile Philox's
+# ~150 integer operations for every graph that draws (most of a neural Langevin step's compile).
+# The same bits as the eager CPU draws. Other devices (Inductor fuses Philox into Triton there) and
+# the torch path forced by tests (_NUMPY_EAGER = False) trace the torch operations.
+_OPS = True
+
+
+def _op_eligible(key: torch.Tensor) -> bool:
+    """Whether this draw of a CPU key runs compiled or under a ``torch.func`` transform (the operators)."""
+    if not (_OPS and _NUMPY_EAGER) or key.device.type != "cpu":
+        return False
+    return torch.compiler.is_compiling() or _in_transform() or torch._C._functorch.is_functorch_wrapped_tensor(key)
+
+
+def _in_transform() -> bool:
+    # inside torch.func.grad/vmap/jvp even a captured plain tensor's results are functorch
+    # tensors (no data pointer): the eager CPU paths must not read them
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _numpy_eligible(words: tuple) -> bool:
-    if not _NUMPY_EAGER or torch.compiler.is_compiling():
+    if not _NUMPY_EAGER or torch.compiler.is_compiling() or _in_transform():
         return False
     for w in words:
         if type(w) is not torch.Tensor or w.device.type != "cpu" or w.requires_grad:
@@ -429,10 +452,12 @@ def uniform(
     """Uniform draws on ``[minval, maxval)``: ``(*key.shape[:-1], *shape)`` of ``dtype``."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    _checks.check_key(key)
     lib = _c_eligible((key,))
-    if lib is not None:
-        _checks.check_key(key)  # the words' range: in C
+    if lib is not None:  # the words' range: in C
         u = _draw_c(lib, "uniform", key, shape, dtype)
+    elif _op_eligible(key):
+        u = torch.ops.fnebm.uniform(key, list(shape), dtype)
     else:
         u = _triton_draw(key, shape, dtype, normal=False)
     if u is not None:
@@ -454,10 +479,12 @@ def normal(key: torch.Tensor, shape: int | Sequence[int] = (), dtype: torch.dtyp
     """Standard normal draws: ``(*key.shape[:-1], *shape)`` of ``dtype`` (Box–Muller, as Triton)."""
     _check_float(dtype)
     shape = _as_shape(shape)
+    _checks.check_key(key)
     lib = _c_eligible((key,))
-    if lib is not None:
-        _checks.check_key(key)  # the words' range: in C
+    if lib is not None:  # the words' range: in C
         return _draw_c(lib, "normal", key, shape, dtype)
+    if _op_eligible(key):
+        return torch.ops.fnebm.normal(key, list(shape), dtype)
     z = _triton_draw(key, shape, dtype, normal=True)
     if z is not None:
         return z
@@ -515,6 +542,9 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
                 if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
                     check_key(key)  # raises
             return out.permute(*range(2, 2 + len(batch)), 1, 0)
+        _checks.check_key(key)
+        if _op_eligible(key):
+            return torch.ops.fnebm.split(key, num)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
     w0, w1, w2, w3 = _blocks(key, -(-num // 2), c2=_SPLIT_TAG)  # (blocks, *batch)
     # (2, num, *batch) in memory, (*batch, num, 2) to the caller: one word of one key index
@@ -560,6 +590,8 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         return out.movedim(0, -1)
     if not isinstance(data, torch.Tensor):
         data = torch.tensor(data, dtype=torch.int64, device=key.device)
+    if _op_eligible(key):
+        return torch.ops.fnebm.fold_in(key, data)
     check_key(key)
     d_lo = data & _M32
     d_hi = (data >> 32) & _M32
@@ -584,3 +616,9 @@ def triton_seed(key: torch.Tensor) -> torch.Tensor:
     k0, k1 = key[..., 0], key[..., 1]
     hi = torch.where(k1 >= 2**31, k1 - 2**32, k1)
     return hi * 2**32 + k0
+
+
+# torch.ops.fnebm.* (fnebm._random_ops): registered on import; their implementations call this module's C path
+from fnebm import _random_ops  # noqa: E402
+
+_random_ops.bind(sys.modules[__name__])

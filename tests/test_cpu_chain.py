@@ -314,7 +314,8 @@ def test_without_a_compiler_auto_falls_back_and_c_says_why(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert 'backend="c" cannot run this chain: no C compiler found' in done.stdout
-    assert not (tmp_path / "cache").exists()
+    # no library built or left half-built (fnebm._inductor may keep its records of Inductor there)
+    assert not any(p.suffix in (".so", ".o", ".tmp") for p in (tmp_path / "cache").glob("*"))
 
 
 def test_the_library_is_built_once_and_then_loaded(tmp_path):

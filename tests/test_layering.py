@@ -28,7 +28,9 @@ LAYERS: dict[str, set[str] | str] = {
     "_philox_triton": set(),
     "_cbuild": set(),  # building and loading the C sources (torch and the standard library)
     "_random_cpu": {"_cbuild"},  # random's eager CPU draws in C
-    "random": {"_philox_triton", "_random_cpu"},
+    "_random_ops": set(),  # random's draws as torch operators (random binds itself into it)
+    "random": {"_philox_triton", "_random_cpu", "_random_ops"},
+    "_inductor": {"_cbuild"},  # fnebm's Inductor backend, options and per-machine compile records
     "energies": set(),
     "gradients": {"energies"},
     "integrators": {"gradients", "random"},  # + random: momenta (metrics), SDE noise
@@ -42,7 +44,7 @@ LAYERS: dict[str, set[str] | str] = {
     # the functional loop over steps (fnebm.chain.run) and the warm-ups' runner slot
     "_loop": {"random"},
     # + kernels: nuts(backend=...) runs the C transition; + interpolants: the flow sampler
-    "samplers": {"integrators", "random", "kernels", "interpolants"},
+    "samplers": {"integrators", "random", "kernels", "interpolants", "_inductor"},  # + _inductor: the evaluations' compile
     # + _loop: a warm-up runs through its runner, never through fnebm.chain (above it)
     "adaptation": {"samplers", "_loop"},
     # + kernels: the engines sample_chain dispatches to; + adaptation: below chain in the table

@@ -141,9 +141,11 @@ def test_bad_keys_still_raise_on_the_c_path():
         fr.split(torch.tensor([-1, 0]), 2)
 
 
-def test_traced_calls_take_the_torch_path(monkeypatch):
-    # vmap, grad and compiled code see torch operations; the C path is for plain eager tensors only
-    monkeypatch.setattr(fr, "_draw_c", lambda *a: pytest.fail("the C path ran under vmap"))
+def test_transformed_calls_take_the_operators_not_the_eager_c_path(monkeypatch):
+    # vmap and grad see torch.ops.fnebm.* (tests/test_random_ops.py), never the eager C entry with
+    # functorch tensors (which have no data pointer); the operators' implementation calls the C
+    monkeypatch.setattr(fr, "_draw_c", lambda *a: pytest.fail("the eager C path ran under vmap"))
+    monkeypatch.setattr(fr, "_c_library", lambda: None)  # the operators' own fallback: the NumPy path
     keys = fr.split(fr.key(1), 3)
     torch.func.vmap(lambda k: fr.normal(k, (4,)) + fr.uniform(k, (4,)))(keys)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
+from fnebm import _inductor
 from fnebm.chain.loop import loop
 
 __all__ = ["RunnerCache", "RunPlan", "CompileFallbackWarning", "default_cache", "code_key", "describe_failure"]
@@ -34,57 +35,12 @@ class CompileFallbackWarning(UserWarning):
     shapes; later calls in the process run eagerly without trying the compile again, and their
     :class:`RunPlan` carries the reason in ``fallback``."""
 
-# Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
-# in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
-# the graph it hashes, so it is.
-_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__,
-                                                          "torch.ops.higher_order.while_loop": torch.__version__}}
+# fnebm's Inductor backend and options live in fnebm._inductor (the evaluations of
+# fnebm.samplers.evaluation compile with them too); the names stay importable from here.
+_COMPILE_OPTIONS, _has_while_loop, _passive_openmp = _inductor._COMPILE_OPTIONS, _inductor._has_while_loop, _inductor.passive_openmp
+inductor_backend = _inductor.inductor_backend
 
 _IDS = itertools.count()
-
-
-def _has_while_loop(gm: torch.fx.GraphModule) -> bool:
-    """Whether a traced graph holds a ``while_loop`` (NUTS, trajectory lengths as data), nested included."""
-    loop_op = torch.ops.higher_order.while_loop
-    return any(node.op == "call_function" and node.target is loop_op
-               for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
-               for node in module.graph.nodes)
-
-
-def inductor_backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
-    """Inductor, with its C++ wrapper for CPU graphs that hold a ``while_loop``.
-
-    Inductor runs a compiled ``while_loop`` from its wrapper, which allocates every buffer of the
-    body on every trip; with its default Python wrapper that was about a fifth of a NUTS trip
-    at 64 chains x 50 dimensions (measured: 270 -> 211 us per trip with the C++ wrapper, the
-    same draws). ``sample_chain``'s runners and ``profile_sampling``'s pieces compile through it. Graphs without a data-dependent loop (Langevin, MALA, HMC with a fixed length)
-    gain nothing from it (W1, W3 measured equal) and keep the faster-compiling Python wrapper.
-    """
-    from torch._inductor.compile_fx import compile_fx
-
-    patches = dict(_COMPILE_OPTIONS)
-    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
-    if on_cpu and _has_while_loop(gm):
-        patches["cpp_wrapper"] = True
-        if _passive_openmp():
-            patches["cpp.threads"] = 1
-    return compile_fx(gm, example_inputs, config_patches=patches)
-
-
-def _passive_openmp() -> bool:
-    """Whether OpenMP's waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``: ``import fnebm``
-    before torch, and the ``fnebm`` command, set it unless the user did).
-
-    A NUTS trip is a dozen short parallel loops, each ending at a barrier, and threads that
-    sleep at every barrier made it 3x slower than serial code. Measured with
-    ``bench/nuts_trip.py`` (64 chains x 50-D, two threads, passive, runs alternated), per trip:
-    691-694 us parallel against 216-228 us serial on an idle machine, 278-281 against 221-227
-    beside one busy process. So under that policy a graph holding a ``while_loop`` is
-    generated serial. Threads that spin (libgomp's default, or ``OMP_WAIT_POLICY=ACTIVE``) run
-    the parallel loop faster on an idle machine (175-196 us) and 3x slower beside a busy
-    process (659 us); that choice is the user's, and the graph stays parallel.
-    """
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def code_key(fn: Any, _depth: int = 0) -> Hashable:
@@ -378,14 +334,17 @@ class RunnerCache:
     def _compile_cost(self, key: Hashable) -> tuple[float, bool]:
         """What ``auto`` takes a compile to cost, and whether that was measured: this runner's first
         compiled call where it ran in this process (its graph, maybe from Inductor's on-disk
-        cache); for another graph ``compile_estimate_s``, raised to the longest first call
-        measured (a busy machine compiles slower than the estimate assumes)."""
+        cache); for another graph the median of the first compiled calls recorded on this machine
+        (:func:`fnebm._inductor.machine_compile_s`), else ``compile_estimate_s``, raised to the
+        longest first call measured in this process (a busy machine compiles slower)."""
         if not self._measure:
             return self.compile_estimate_s, False
         if key in self.compile_s:
             return self.compile_s[key], True
         longest = max(self.compile_s.values(), default=0.0)
-        return (longest, True) if longest > self.compile_estimate_s else (self.compile_estimate_s, False)
+        machine = _inductor.machine_compile_s("chain")
+        base, measured = (machine, True) if machine is not None else (self.compile_estimate_s, False)
+        return (longest, True) if longest > base else (base, measured)
 
     def _timed(self, key: Hashable, run: Callable) -> Callable:
         """``run`` whose first successful call is timed into ``compile_s[key]``."""
@@ -399,6 +358,7 @@ class RunnerCache:
             t0 = time.perf_counter()
             out = run(*args)
             self.compile_s[key] = time.perf_counter() - t0
+            _inductor.record_compile_s("chain", self.compile_s[key])
             return out
 
         return first_timed

@@ -14,7 +14,8 @@ it has one, else ``vmap``), eager or compiled:
   generation) and run as plain aten calls without ``torch.func``'s per-operation overhead; then
   compiled by Inductor (announced by an :class:`EnergyCompileNotice`) once the evaluations of
   this energy have taken as long as a compile is expected to take: the longest compile of an
-  evaluation measured in this process, else :data:`AUTO_COMPILE_AFTER_S`, 20 s, what
+  evaluation measured in this process, else the median recorded on this machine, else
+  :data:`AUTO_COMPILE_AFTER_S`, 20 s, what
   ``sample_chain(compile="auto")`` takes a compile to cost (a first compile of a small energy's
   evaluation took 13-19 s on this project's 2-core host, 3-4 s from Inductor's on-disk cache).
   The rule of renting skis: a run never spends much more than twice what the better choice in
@@ -148,7 +149,9 @@ class _Evaluation:
                           f"{self.eager_s:.3g} s so far, as long as a compile is expected to take; "
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
                           "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
-        self.compiled = torch.compile(self.entry, dynamic=False)
+        from fnebm import _inductor
+
+        self.compiled = torch.compile(self.entry, dynamic=False, backend=_inductor.inductor_backend)
 
     def compiled_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         if self.compile_s is not None:
@@ -164,6 +167,9 @@ class _Evaluation:
                           "evaluations stay eager", RuntimeWarning, stacklevel=_outside_fnebm())
             return out
         self.compile_s = time.perf_counter() - t0
+        from fnebm import _inductor
+
+        _inductor.record_compile_s("energy", self.compile_s)
         self.one_thread, self.trials = None, []  # compiled code: time the threads again
         return out
 
@@ -241,10 +247,16 @@ def _evaluation(energy_fn: Any, chain_ndim: int) -> _Evaluation:
 
 def compile_estimate() -> float:
     """Seconds a compile of an evaluation is expected to take: the longest measured in this process
-    (of the evaluators kept), else :data:`AUTO_COMPILE_AFTER_S`."""
+    (of the evaluators kept), else the median recorded on this machine
+    (:func:`fnebm._inductor.machine_compile_s`), else :data:`AUTO_COMPILE_AFTER_S`."""
     with _lock:
         seen = [ev.compile_s for _, ev in _kept.values() if ev.compile_s is not None]
-    return max(seen) if seen else AUTO_COMPILE_AFTER_S
+    if seen:
+        return max(seen)
+    from fnebm import _inductor
+
+    machine = _inductor.machine_compile_s("energy")
+    return machine if machine is not None else AUTO_COMPILE_AFTER_S
 
 
 def check_compile(compile: Any) -> Any:

@@ -1,0 +1,217 @@
+"""How fnebm calls Inductor: the backend every compile of fnebm's own goes through.
+
+* ``sample_chain``'s runners, ``profile_sampling``'s pieces and the compiled energy evaluations of
+  :mod:`fnebm.samplers.evaluation` compile with :func:`inductor_backend`.
+* Graphs holding a ``while_loop`` get Inductor's C++ wrapper on the CPU (see :func:`inductor_backend`).
+* **The vector-ISA probe, once per machine.** Before its first C++ kernel in a process, Inductor checks
+  each vector instruction set the CPU reports (AVX-512 VNNI, AVX-512, AVX2 on x86) by building a test
+  library and loading it in a child Python process, one child per set: 1.3-2.3 s of every new
+  process's first compile on this project's 2-core machine, and 5-7 s more with an empty Inductor
+  cache (the builds). fnebm runs torch's probe once per machine (same torch, same compiler, same CPU
+  flags) and, when every set passed, records that in its cache folder (:mod:`fnebm._cbuild`); its
+  CPU compiles then tell Inductor the sets are usable (``cpp.vec_isa_ok``), which is what the probe
+  finds. A user's own ``TORCHINDUCTOR_VEC_ISA_OK`` (or ``cpp.vec_isa_ok``) is left alone, and any
+  surprise in torch's internals here means no record and torch's own probe.
+
+Lowest layer: imports torch, and :mod:`fnebm._cbuild` for the cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+from typing import Callable
+
+import torch
+
+__all__ = ["inductor_backend", "compile_patches", "passive_openmp", "machine_compile_s", "record_compile_s"]
+
+# Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
+# in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
+# the graph it hashes, so it is.
+_COMPILE_OPTIONS = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.scan": torch.__version__,
+                                                          "torch.ops.higher_order.while_loop": torch.__version__}}
+
+
+def _has_while_loop(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph holds a ``while_loop`` (NUTS, trajectory lengths as data), nested included."""
+    loop_op = torch.ops.higher_order.while_loop
+    return any(node.op == "call_function" and node.target is loop_op
+               for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes)
+
+
+def passive_openmp() -> bool:
+    """Whether OpenMP's waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``: ``import fnebm``
+    before torch, and the ``fnebm`` command, set it unless the user did).
+
+    A NUTS trip is a dozen short parallel loops, each ending at a barrier, and threads that
+    sleep at every barrier made it 3x slower than serial code. Measured with
+    ``bench/nuts_trip.py`` (64 chains x 50-D, two threads, passive, runs alternated), per trip:
+    691-694 us parallel against 216-228 us serial on an idle machine, 278-281 against 221-227
+    beside one busy process. So under that policy a graph holding a ``while_loop`` is
+    generated serial. Threads that spin (libgomp's default, or ``OMP_WAIT_POLICY=ACTIVE``) run
+    the parallel loop faster on an idle machine (175-196 us) and 3x slower beside a busy
+    process (659 us); that choice is the user's, and the graph stays parallel.
+    """
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
+# ----------------------------------------------------------------------------- the vector-ISA record
+
+_isa_known: bool | None = None  # this process: None until looked up; then whether the record exists
+
+
+def _isa_record() -> tuple[list, str] | None:
+    """``(folders, file name)`` of this machine's record (torch, compiler and CPU flags in its
+    name), or ``None`` where fnebm does not record (not x86-64 Linux, or the user set the option)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch._inductor import config
+
+    if config.cpp.vec_isa_ok is not None:
+        return None
+    from fnebm import _cbuild
+
+    cxx = config.cpp.cxx[-1] or "g++"
+    path = shutil.which(cxx) or cxx
+    try:
+        stamp = f"{os.path.realpath(path)}:{os.stat(os.path.realpath(path)).st_mtime_ns}"
+    except OSError:
+        return None
+    digest = hashlib.sha256("\0".join((torch.__version__, stamp, _cbuild._cpu_id())).encode()).hexdigest()[:20]
+    return _cbuild.cache_dirs(), f"inductor-vec-isa-{digest}.ok"
+
+
+def compile_patches() -> dict:
+    """Inductor options for fnebm's CPU compiles: ``{"cpp.vec_isa_ok": True}`` where this machine's
+    record says torch's probe passed for every vector ISA the CPU reports, else ``{}``.
+
+    Without a record, torch's probe runs here, once in the process (what Inductor's first compile
+    would run anyway), and a pass for every set writes the record. Every compile then carries the
+    same option, so Inductor's on-disk caches serve the first process and the later ones alike."""
+    global _isa_known
+    if _isa_known is None:
+        _isa_known = False
+        try:
+            record = _isa_record()
+            if record is not None:
+                folders, name = record
+                _isa_known = any((folder / name).is_file() for folder in folders) or _probe_and_record(folders, name)
+        except Exception:  # pragma: no cover - no record, torch's own probe
+            _isa_known = False
+    return {"cpp.vec_isa_ok": True} if _isa_known else {}
+
+
+def _probe_and_record(folders: list, name: str) -> bool:
+    from torch._inductor import config, cpu_vec_isa
+
+    from fnebm import _cbuild
+
+    with config.patch({"cpp.vec_isa_ok": True}):
+        reported = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # by the CPU's flags alone
+    if not reported or [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != reported:  # torch's probe
+        return False  # a set the CPU reports did not build or load: Inductor decides as without fnebm
+    for folder in folders:
+        if _cbuild._usable(folder):
+            (folder / name).write_text(" ".join(reported) + "\n")
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- measured compile times
+# What a compile costs on this machine, for compile="auto"'s ski-rental rule (sample_chain's runners,
+# the NUTS energy evaluations): the seconds of fnebm's recent first compiled calls here (a compile
+# and one run, Inductor's on-disk cache hits included), kept per torch version in the cache folder,
+# so a new process starts from what compiles took on this machine rather than an assumed figure.
+
+_TIMES_KEPT = 16
+_times: list | None = None  # this process's view: read once, then extended by its own compiles
+_times_lock = threading.Lock()
+
+
+def _times_path():
+    from fnebm import _cbuild
+
+    for folder in _cbuild.cache_dirs():
+        if _cbuild._usable(folder):
+            return folder / f"compile-times-{torch.__version__.replace('+', '-')}.json"
+    return None
+
+
+def _read_times() -> list:
+    global _times
+    if _times is None:
+        found = []
+        try:
+            path = _times_path()
+            if path is not None and path.is_file():
+                found = [(str(k), float(t)) for k, t in json.loads(path.read_text())
+                         if isinstance(t, (int, float)) and t > 0 and math.isfinite(t)]
+        except Exception:  # noqa: BLE001 - a damaged or foreign file: no record
+            found = []
+        _times = found[-_TIMES_KEPT:]
+    return _times
+
+
+def machine_compile_s(kind: str) -> float | None:
+    """The median of the recorded first compiled calls of ``kind`` (``"chain"`` or ``"energy"``) on this
+    machine, or ``None`` when none is recorded."""
+    with _times_lock:
+        times = [t for k, t in _read_times() if k == kind]
+    return statistics.median(times) if times else None
+
+
+def record_compile_s(kind: str, seconds: float) -> None:
+    """Add one measured first compiled call of ``kind`` to this machine's record (the last
+    :data:`_TIMES_KEPT`; written whole to a temporary file and renamed, so readers never see half a file)."""
+    if not (seconds > 0 and math.isfinite(seconds)):
+        return
+    with _times_lock:
+        try:
+            path = _times_path()
+        except OSError:
+            return
+        if path is None:  # nowhere to keep it: this process's own compiles are known to their callers
+            return
+        times = _read_times()
+        times.append((kind, max(round(float(seconds), 3), 0.001)))
+        del times[:-_TIMES_KEPT]
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(times))
+            os.replace(tmp, path)
+        except OSError:
+            return
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+def inductor_backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+    """Inductor, with fnebm's options (:func:`compile_patches`), and its C++ wrapper for CPU graphs that hold a ``while_loop``.
+
+    Inductor runs a compiled ``while_loop`` from its wrapper, which allocates every buffer of the
+    body on every trip; with its default Python wrapper that was about a fifth of a NUTS trip
+    at 64 chains x 50 dimensions (measured: 270 -> 211 us per trip with the C++ wrapper, the
+    same draws). Graphs without a data-dependent loop (Langevin, MALA, HMC with a fixed length)
+    gain nothing from it (W1, W3 measured equal) and keep the faster-compiling Python wrapper.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(_COMPILE_OPTIONS)
+    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
+    if on_cpu:
+        patches.update(compile_patches())
+    if on_cpu and _has_while_loop(gm):
+        patches["cpp_wrapper"] = True
+        if passive_openmp():
+            patches["cpp.threads"] = 1
+    return compile_fx(gm, example_inputs, config_patches=patches)

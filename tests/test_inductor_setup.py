@@ -1,0 +1,85 @@
+"""fnebm._inductor: the per-machine record of compile times that compile="auto" starts from, and
+the vector-ISA record that spares each process Inductor's probe."""
+
+import json
+
+import pytest
+import torch
+
+from fnebm import _inductor
+from fnebm.chain.runner import RunnerCache
+
+
+@pytest.fixture
+def record(tmp_path, monkeypatch):
+    path = tmp_path / "compile-times.json"
+    monkeypatch.setattr(_inductor, "_times", None)
+    monkeypatch.setattr(_inductor, "_times_path", lambda: path)
+    return path
+
+
+def test_compile_times_are_recorded_per_kind_and_read_by_a_new_process(record, monkeypatch):
+    assert _inductor.machine_compile_s("chain") is None
+    for t in (9.0, 30.0, 11.0):
+        _inductor.record_compile_s("chain", t)
+    _inductor.record_compile_s("energy", 4.0)
+    _inductor.record_compile_s("chain", float("nan"))  # not a time: not recorded
+    assert _inductor.machine_compile_s("chain") == 11.0 and _inductor.machine_compile_s("energy") == 4.0
+    monkeypatch.setattr(_inductor, "_times", None)  # what the next process reads from the file
+    assert _inductor.machine_compile_s("chain") == 11.0
+    assert json.loads(record.read_text())[-1] == ["energy", 4.0]
+    for i in range(40):
+        _inductor.record_compile_s("chain", 100.0 + i)
+    assert len(json.loads(record.read_text())) == _inductor._TIMES_KEPT
+
+
+def test_a_damaged_record_is_no_record(record):
+    record.write_text("{not json")
+    assert _inductor.machine_compile_s("chain") is None
+    _inductor.record_compile_s("chain", 5.0)  # and it is replaced whole
+    assert json.loads(record.read_text()) == [["chain", 5.0]]
+
+
+def test_auto_takes_a_compile_to_cost_what_it_took_on_this_machine(record):
+    cache = RunnerCache()
+    assert cache._compile_cost("kind") == (20.0, False)  # nothing recorded: the assumed figure
+    _inductor.record_compile_s("chain", 6.0)
+    assert cache._compile_cost("kind") == (6.0, True)
+    cache.compile_s["other"] = 45.0  # a longer compile in this process raises it
+    assert cache._compile_cost("kind") == (45.0, True)
+    assert cache._compile_cost("other") == (45.0, True)
+    assert RunnerCache(compile_estimate_s=12)._compile_cost("kind") == (12.0, False)  # an explicit figure stays
+
+
+def test_the_vector_isa_option_is_left_to_a_user_who_set_it(monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(_inductor, "_isa_known", None)
+    with config.patch({"cpp.vec_isa_ok": False}):
+        assert _inductor._isa_record() is None
+        assert _inductor.compile_patches() == {}
+
+
+def test_the_vector_isa_record_follows_torchs_probe(tmp_path, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    from fnebm import _cbuild
+
+    monkeypatch.setattr(_cbuild, "cache_dirs", lambda: [tmp_path])
+    record = _inductor._isa_record()
+    if record is None:
+        pytest.skip("fnebm records the probe on x86-64 Linux only")
+    folders, name = record
+    # a set the CPU reports fails torch's probe: no record, and Inductor decides as it would alone
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list",
+                        lambda real=cpu_vec_isa.valid_vec_isa_list: real()[1:] if not cpu_vec_isa.config.cpp.vec_isa_ok else real())
+    monkeypatch.setattr(_inductor, "_isa_known", None)
+    assert _inductor.compile_patches() == {} and not (tmp_path / name).exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(_cbuild, "cache_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_inductor, "_isa_known", None)
+    passed = _inductor.compile_patches()
+    if passed:  # every set the CPU reports built and loaded here: recorded, and read by a new process
+        assert (tmp_path / name).is_file()
+        monkeypatch.setattr(_inductor, "_isa_known", None)
+        assert _inductor.compile_patches() == {"cpp.vec_isa_ok": True}
