@@ -1,6 +1,6 @@
 """Time to the first compiled result of a new neural energy's sampler, in fresh processes.
 
-    python bench/compile_time.py [--only mlp784,mlp2d] [--rounds N] [--before TREE] [--json PATH]
+    python bench/compile_time.py [--only mlp784,mlp2d] [--rounds N] [--before TREE] [--json PATH] [--new-energy]
 
 Each measurement is one fresh process with empty TORCHINDUCTOR_CACHE_DIR and FNEBM_CACHE_DIR that
 builds ``fnebm.langevin`` on the workload's MLP energy (bench/user.py's networks and sizes) and
@@ -9,6 +9,13 @@ one run), the import apart. With ``--before TREE`` the same runs alternate, call
 fnebm imported from TREE (e.g. a checkout of an earlier commit), and the per-pair ratios'
 median is printed. The compile is also split into Dynamo's trace, AOT autograd and Inductor
 from ``torch._dynamo.utils.compile_times`` where torch reports them.
+
+``--new-energy``: the issue's case, a new network on a machine that has compiled before. The
+caches (Inductor's and fnebm's) persist across this run's processes, one per tree, primed by
+one unmeasured run; every measured run builds the network with a number of layers and a hidden
+width (channels for the ConvNet) no earlier run used: no graph is reused, only what a machine
+keeps (the vector-ISA probe's builds, the C libraries, and any generated kernel whose source
+is the same, such as the draws of a shape seen before).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+WORKLOAD_NAMES = ("mlp784", "mlp2d", "conv28")
 
 _CHILD = r"""
 import json, os, sys, time
@@ -32,7 +40,9 @@ import torch, fnebm
 from fnebm import energies
 import user
 imported = time.perf_counter() - t0
-net = user.make_net(sys.argv[1]); x0 = user.start(sys.argv[1]); steps = user.WORKLOADS[sys.argv[1]][2]
+net = user.make_net(sys.argv[1], width=int(os.environ.get("BENCH_WIDTH", "0")) or None,
+                    depth=int(os.environ.get("BENCH_DEPTH", "0")) or None)
+x0 = user.start(sys.argv[1]); steps = user.WORKLOADS[sys.argv[1]][2]
 alg = fnebm.langevin(energies.bind(*energies.from_module(net)), user.H, user.S)
 state = torch.func.vmap(alg.init)(x0)
 t0 = time.perf_counter()
@@ -46,12 +56,20 @@ print(json.dumps({"import_s": imported, "first_s": first, "warm_s": warm, "phase
 """
 
 
-def _one(tree: str, workload: str) -> dict:
+def _one(tree: str, workload: str, machine: str | None = None, width: int = 0, depth: int = 0) -> dict:
+    """One fresh process. ``machine=None``: empty caches (a machine that never compiled). Else
+    ``machine`` is a cache folder this tree's earlier runs filled (a machine that has compiled
+    before), and ``width`` and ``depth`` give the network a hidden width and a number of layers no
+    run used: a new energy (a new depth is a new graph; a new width alone is not, since Dynamo's
+    automatic dynamic shapes, remembered on disk, compile the widths of a shape seen before as one graph)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, PYTHONPATH=tree, BENCH_DIR=HERE, OMP_WAIT_POLICY="PASSIVE",
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), FNEBM_CACHE_DIR=os.path.join(cache, "fnebm"))
+        root = machine or cache
+        env = dict(os.environ, PYTHONPATH=tree, BENCH_DIR=HERE, OMP_WAIT_POLICY="PASSIVE", BENCH_WIDTH=str(width), BENCH_DEPTH=str(depth),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"), FNEBM_CACHE_DIR=os.path.join(root, "fnebm"))
+        # cwd: not the checkout, whose fnebm `python -c` would import before PYTHONPATH's (so --before
+        # measured this tree on both sides until this was set)
         done = subprocess.run([sys.executable, "-c", _CHILD, workload], env=env, capture_output=True, text=True,
-                              timeout=1800)
+                              timeout=1800, cwd=cache)
         if done.returncode != 0:
             raise SystemExit(f"the child failed: {done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
@@ -63,16 +81,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--before", default=None, help="a tree to compare with (its fnebm imported from there)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--new-energy", action="store_true",
+                    help="a machine that has compiled before: caches kept across this run's processes (one "
+                         "priming run per tree first), and every measured run a network width none has seen")
     args = ap.parse_args()
+    machines = {}
+    if args.new_energy:
+        for name, tree in (("after", ROOT), ("before", args.before)):
+            if tree:
+                machines[name] = tempfile.mkdtemp(prefix=f"fnebm-compile-{name}-")
+                _one(tree, args.only.split(",")[0], machines[name], width=7, depth=1)  # priming: ISA probe, C libraries
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    results = {"load_at_start": load, "workloads": {}}
+    results = {"load_at_start": load, "new_energy": args.new_energy, "workloads": {}}
     for workload in args.only.split(","):
         rows = []
         for r in range(args.rounds):
-            row = {"after": _one(ROOT, workload)}
+            width = 0 if not args.new_energy else 100 + 3 * r + 50 * list(WORKLOAD_NAMES).index(workload)
+            depth = 0 if not args.new_energy else 3 + r
+            row = {"after": _one(ROOT, workload, machines.get("after"), width, depth)}
             if args.before:
-                row["before"] = _one(args.before, workload)
+                row["before"] = _one(args.before, workload, machines.get("before"), width, depth)
             rows.append(row)
             print(workload, r, {k: round(v["first_s"], 2) for k, v in row.items()}, flush=True)
         summary = {"after_first_s": statistics.median(r["after"]["first_s"] for r in rows),

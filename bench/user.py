@@ -63,19 +63,26 @@ H, S = 0.01, 0.05
 # ----------------------------------------------------------------------------- workloads
 
 
-def make_net(workload: str):
+def make_net(workload: str, width: int | None = None, depth: int | None = None):
+    """The workload's network; ``width`` replaces its hidden width (its channels for the ConvNet) and
+    ``depth`` its number of hidden layers (for the ConvNet, 1x1 convolutions added after the second),
+    so a compile-time run can build a network no cache has seen (bench/compile_time.py --new-energy)."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)  # the benchmark's weights (library code never seeds)
-    if workload == "mlp784":
-        net = nn.Sequential(nn.Linear(784, 256), nn.SiLU(), nn.Linear(256, 256), nn.SiLU(), nn.Linear(256, 1))
-    elif workload == "mlp2d":
-        net = nn.Sequential(nn.Linear(2, 128), nn.SiLU(), nn.Linear(128, 128), nn.SiLU(), nn.Linear(128, 1))
+    if workload in ("mlp784", "mlp2d"):
+        d_in, w = (784, width or 256) if workload == "mlp784" else (2, width or 128)
+        layers = [nn.Linear(d_in, w), nn.SiLU()]
+        for _ in range((depth or 2) - 1):
+            layers += [nn.Linear(w, w), nn.SiLU()]
+        net = nn.Sequential(*layers, nn.Linear(w, 1))
     else:
         # fnebm's samplers take flat positions (dim,): the images travel flat and the net unflattens
-        net = nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, 16, 3, stride=2), nn.SiLU(), nn.Conv2d(16, 32, 3, stride=2), nn.SiLU(),
-                            nn.Flatten(), nn.Linear(32 * 6 * 6, 1))
+        w = width or 32
+        extra = [m for _ in range((depth or 2) - 2) for m in (nn.Conv2d(w, w, 1), nn.SiLU())]
+        net = nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, 16, 3, stride=2), nn.SiLU(), nn.Conv2d(16, w, 3, stride=2), nn.SiLU(),
+                            *extra, nn.Flatten(), nn.Linear(w * 6 * 6, 1))
     return net.requires_grad_(False)
 
 

@@ -18,6 +18,7 @@ Lowest layer: imports torch, and :mod:`fnebm._cbuild` for the cache folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -111,17 +112,20 @@ def compile_patches() -> dict:
 
 
 def _probe_and_record(folders: list, name: str) -> bool:
-    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor import cpu_vec_isa
 
     from fnebm import _cbuild
 
-    with config.patch({"cpp.vec_isa_ok": True}):
-        reported = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # by the CPU's flags alone
-    if not reported or [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != reported:  # torch's probe
+    # the sets the CPU reports, by its flags (as valid_vec_isa_list lists them, without calling bool()
+    # on them, which torch caches); then torch's own test build and load of each (check_build), run
+    # here whatever any earlier call in this process cached
+    flags = cpu_vec_isa.x86_isa_checker()
+    reported = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    if not reported or not all(isa.check_build(cpu_vec_isa.VecISA._avx_code) for isa in reported):
         return False  # a set the CPU reports did not build or load: Inductor decides as without fnebm
     for folder in folders:
         if _cbuild._usable(folder):
-            (folder / name).write_text(" ".join(reported) + "\n")
+            (folder / name).write_text(" ".join(str(isa) for isa in reported) + "\n")
             return True
     return False
 
@@ -171,7 +175,9 @@ def machine_compile_s(kind: str) -> float | None:
 
 def record_compile_s(kind: str, seconds: float) -> None:
     """Add one measured first compiled call of ``kind`` to this machine's record (the last
-    :data:`_TIMES_KEPT`; written whole to a temporary file and renamed, so readers never see half a file)."""
+    :data:`_TIMES_KEPT`): under a lock file, the file is read again, extended and written whole to a
+    temporary file that is renamed over it, so processes recording at once keep each other's entries."""
+    global _times
     if not (seconds > 0 and math.isfinite(seconds)):
         return
     with _times_lock:
@@ -181,15 +187,32 @@ def record_compile_s(kind: str, seconds: float) -> None:
             return
         if path is None:  # nowhere to keep it: this process's own compiles are known to their callers
             return
-        times = _read_times()
-        times.append((kind, max(round(float(seconds), 3), 0.001)))
-        del times[:-_TIMES_KEPT]
         try:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(times))
-            os.replace(tmp, path)
+            with _file_lock(path):
+                _times = None
+                times = _read_times()
+                times.append((kind, max(round(float(seconds), 3), 0.001)))
+                del times[:-_TIMES_KEPT]
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(times))
+                os.replace(tmp, path)
         except OSError:
             return
+
+
+@contextlib.contextmanager
+def _file_lock(path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent writers may drop an entry (each write is still whole)
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # ----------------------------------------------------------------------------- the backend

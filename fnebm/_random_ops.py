@@ -30,11 +30,15 @@ __all__ = ["LIBRARY"]
 
 # torch.library.Library rather than torch.library.custom_op: a call costs about 5 us against 13 us
 # (custom_op's Python wrapper), and a compiled Langevin step makes two of them
-LIBRARY = torch.library.Library("fnebm", "DEF")
-LIBRARY.define("normal(Tensor key, SymInt[] shape, ScalarType dtype) -> Tensor")
-LIBRARY.define("uniform(Tensor key, SymInt[] shape, ScalarType dtype) -> Tensor")
-LIBRARY.define("split(Tensor key, SymInt num) -> Tensor")
-LIBRARY.define("fold_in(Tensor key, Tensor data) -> Tensor")
+# Registered once per process: a second import of this module (fnebm reloaded, %autoreload) finds
+# the operators defined and only binds (the first registration's implementations keep working).
+_DEFINED = hasattr(torch.ops.fnebm, "fold_in")
+LIBRARY = torch.library.Library("fnebm", "FRAGMENT")
+if not _DEFINED:
+    LIBRARY.define("normal(Tensor key, SymInt[] shape, ScalarType dtype) -> Tensor")
+    LIBRARY.define("uniform(Tensor key, SymInt[] shape, ScalarType dtype) -> Tensor")
+    LIBRARY.define("split(Tensor key, SymInt num) -> Tensor")
+    LIBRARY.define("fold_in(Tensor key, Tensor data) -> Tensor")
 
 
 _random = None  # fnebm.random, given by bind() when it is imported (this module never imports it)
@@ -62,8 +66,16 @@ def _batch_first(x: Tensor, bdim: int | None, size: int) -> Tensor:
 # where the C library is unavailable (the NumPy path: the same words).
 
 
+def _int64(name: str, t: Tensor) -> None:
+    # the C code reads 8-byte words: the operators are callable by name, so they check what the
+    # public functions convert
+    if t.dtype != torch.int64:
+        raise TypeError(f"torch.ops.fnebm: {name} must have dtype torch.int64, got {t.dtype}")
+
+
 def _draw(name: str):
     def impl(key: Tensor, shape, dtype: torch.dtype) -> Tensor:
+        _int64("key", key)
         fr = _random
         lib = fr._c_library() if fr._C_EAGER else None
         if lib is None:
@@ -74,6 +86,7 @@ def _draw(name: str):
 
 
 def _split(key: Tensor, num: int) -> Tensor:
+    _int64("key", key)
     fr = _random
     lib = fr._c_library() if fr._C_EAGER else None
     batch = tuple(key.shape[:-1])
@@ -88,6 +101,8 @@ def _split(key: Tensor, num: int) -> Tensor:
 
 
 def _fold_in(key: Tensor, data: Tensor) -> Tensor:
+    _int64("key", key)
+    _int64("data", data)
     fr = _random
     lib = fr._c_library() if fr._C_EAGER else None
     batch = tuple(key.shape[:-1])
@@ -104,10 +119,11 @@ def _fold_in(key: Tensor, data: Tensor) -> Tensor:
     return out.movedim(0, -1)
 
 
-LIBRARY.impl("normal", _draw("normal"), "CPU")
-LIBRARY.impl("uniform", _draw("uniform"), "CPU")
-LIBRARY.impl("split", _split, "CPU")
-LIBRARY.impl("fold_in", _fold_in, "CPU")
+if not _DEFINED:
+    LIBRARY.impl("normal", _draw("normal"), "CPU")
+    LIBRARY.impl("uniform", _draw("uniform"), "CPU")
+    LIBRARY.impl("split", _split, "CPU")
+    LIBRARY.impl("fold_in", _fold_in, "CPU")
 
 
 # ----------------------------------------------------------------------------- shapes, for the compiler
@@ -117,22 +133,23 @@ def _draw_fake(key: Tensor, shape, dtype: torch.dtype) -> Tensor:
     return key.new_empty(tuple(key.shape[:-1]) + tuple(shape), dtype=dtype)
 
 
-@torch.library.register_fake("fnebm::split", lib=LIBRARY)
 def _split_fake(key: Tensor, num) -> Tensor:
     batch = tuple(key.shape[:-1])
     # (2, num, *batch) in memory, (*batch, num, 2) to the caller: the eager path's layout
     return key.new_empty((2, num) + batch).permute(*range(2, 2 + len(batch)), 1, 0)
 
 
-@torch.library.register_fake("fnebm::fold_in", lib=LIBRARY)
 def _fold_in_fake(key: Tensor, data: Tensor) -> Tensor:
     # word-major (2, *shape) in memory, (*shape, 2) to the caller: the eager path's layout
     shape = tuple(torch.broadcast_shapes(tuple(key.shape[:-1]), tuple(data.shape)))
     return key.new_empty((2,) + shape).movedim(0, -1)
 
 
-torch.library.register_fake("fnebm::normal", _draw_fake, lib=LIBRARY)
-torch.library.register_fake("fnebm::uniform", _draw_fake, lib=LIBRARY)
+if not _DEFINED:
+    torch.library.register_fake("fnebm::normal", _draw_fake, lib=LIBRARY)
+    torch.library.register_fake("fnebm::uniform", _draw_fake, lib=LIBRARY)
+    torch.library.register_fake("fnebm::split", _split_fake, lib=LIBRARY)
+    torch.library.register_fake("fnebm::fold_in", _fold_in_fake, lib=LIBRARY)
 
 
 # ----------------------------------------------------------------------------- vmap: a batch of keys
@@ -163,7 +180,8 @@ def _fold_in_vmap(info, in_dims, key, data):
     return torch.ops.fnebm.fold_in(k, d), 0
 
 
-torch.library.register_vmap("fnebm::normal", _draw_vmap(torch.ops.fnebm.normal), lib=LIBRARY)
-torch.library.register_vmap("fnebm::uniform", _draw_vmap(torch.ops.fnebm.uniform), lib=LIBRARY)
-torch.library.register_vmap("fnebm::split", _split_vmap, lib=LIBRARY)
-torch.library.register_vmap("fnebm::fold_in", _fold_in_vmap, lib=LIBRARY)
+if not _DEFINED:
+    torch.library.register_vmap("fnebm::normal", _draw_vmap(torch.ops.fnebm.normal), lib=LIBRARY)
+    torch.library.register_vmap("fnebm::uniform", _draw_vmap(torch.ops.fnebm.uniform), lib=LIBRARY)
+    torch.library.register_vmap("fnebm::split", _split_vmap, lib=LIBRARY)
+    torch.library.register_vmap("fnebm::fold_in", _fold_in_vmap, lib=LIBRARY)

@@ -117,8 +117,9 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Eager CPU calls run Philox in NumPy's uint64, which multiplies 32-bit words exactly and costs
 # about 1 us an operation where a small torch operation costs 5-10 us: the same bits (tested
-# against the torch path), 2-10x faster for a sampler's per-step keys and draws. Compiled code,
-# vmap/grad and other devices take the torch path, which is what the compiler sees.
+# against the torch path), 2-10x faster for a sampler's per-step keys and draws (where the C
+# library below cannot be built). Compiled code and vmap/grad on the CPU take the operators of
+# fnebm._random_ops; other devices take the torch path, which is what the compiler sees there.
 _NUMPY_EAGER = True
 
 
@@ -261,7 +262,7 @@ _philox_kernel = None
 
 
 def _triton_eligible(words: tuple) -> bool:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _in_transform():
         return False
     for w in words:
         if type(w) is not torch.Tensor or w.device.type not in _TRITON_EAGER_DEVICES or w.requires_grad:

@@ -74,6 +74,8 @@ def test_the_operators_check_the_words():
         torch.ops.fnebm.normal(bad, [3], torch.float32)
     with pytest.raises(ValueError, match="key"):
         torch.ops.fnebm.fold_in(bad, torch.tensor(1))
+    with pytest.raises(TypeError, match="data must have dtype torch.int64"):
+        torch.ops.fnebm.fold_in(KEYS, torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32))
 
 
 def test_a_compiled_graph_calls_the_operators_and_holds_no_philox():

@@ -293,7 +293,8 @@ class RunnerCache:
         if per is None:
             return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
         eager = per * steps
-        cost = "a compile took here" if measured else "a compile is taken to cost"
+        cost = {"process": "a compile took here", "machine": "compiles took on this machine (the median recorded)"}.get(
+            measured, "a compile is taken to cost")
         if ledger.eager_s + eager <= est:
             return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
                                          f"the {est:.3g} s {cost}", per, est, steps)
@@ -301,7 +302,7 @@ class RunnerCache:
                                              f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
                          measured)
 
-    def _buy(self, plan: RunPlan, measured: bool) -> RunPlan:
+    def _buy(self, plan: RunPlan, measured: str | bool) -> RunPlan:
         """``auto`` decided to compile: in the background (eager steps meanwhile) or now, announced."""
         if self.background:
             return _announce(plan._replace(compiled=False, background=True,
@@ -331,8 +332,9 @@ class RunnerCache:
         ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
         ledger.pending.start()
 
-    def _compile_cost(self, key: Hashable) -> tuple[float, bool]:
-        """What ``auto`` takes a compile to cost, and whether that was measured: this runner's first
+    def _compile_cost(self, key: Hashable) -> tuple[float, str | bool]:
+        """What ``auto`` takes a compile to cost, and where that was measured (``"process"``,
+        ``"machine"``, or ``False`` for the assumed figure): this runner's first
         compiled call where it ran in this process (its graph, maybe from Inductor's on-disk
         cache); for another graph the median of the first compiled calls recorded on this machine
         (:func:`fnebm._inductor.machine_compile_s`), else ``compile_estimate_s``, raised to the
@@ -340,11 +342,11 @@ class RunnerCache:
         if not self._measure:
             return self.compile_estimate_s, False
         if key in self.compile_s:
-            return self.compile_s[key], True
+            return self.compile_s[key], "process"
         longest = max(self.compile_s.values(), default=0.0)
         machine = _inductor.machine_compile_s("chain")
-        base, measured = (machine, True) if machine is not None else (self.compile_estimate_s, False)
-        return (longest, True) if longest > base else (base, measured)
+        base, measured = (machine, "machine") if machine is not None else (self.compile_estimate_s, False)
+        return (longest, "process") if longest > base else (base, measured)
 
     def _timed(self, key: Hashable, run: Callable) -> Callable:
         """``run`` whose first successful call is timed into ``compile_s[key]``."""
@@ -419,7 +421,7 @@ class CompileNotice(UserWarning):
     """
 
 
-def _announce(plan: RunPlan, measured: bool) -> RunPlan:
+def _announce(plan: RunPlan, measured: str | bool) -> RunPlan:
     import sys
     import warnings
 
@@ -428,8 +430,12 @@ def _announce(plan: RunPlan, measured: bool) -> RunPlan:
     frame, level = sys._getframe(1), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
-    cost = (f"a compile took {plan.compile_estimate_s:.3g} s in this process" if measured else
-            "a first compile takes tens of seconds on a small CPU (less from Inductor's on-disk cache)")
+    if measured == "machine":
+        cost = f"compiles took {plan.compile_estimate_s:.3g} s on this machine, the median recorded"
+    elif measured:
+        cost = f"a compile took {plan.compile_estimate_s:.3g} s in this process"
+    else:
+        cost = "a first compile takes tens of seconds on a small CPU (less from Inductor's on-disk cache)"
     if plan.background:
         what = ("compiles this sampler in the background; the steps run eagerly meanwhile and switch to the "
                 "compiled code when it is ready")
