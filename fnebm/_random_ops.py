@@ -74,7 +74,22 @@ def _int64(name: str, t: Tensor) -> None:
 
 
 def _draw(name: str):
+    f32, f64 = f"fnebm_{name}_f32", f"fnebm_{name}_f64"
+
     def impl(key: Tensor, shape, dtype: torch.dtype) -> Tensor:
+        # the common call first: a chain's keys (n, 2), float32 or float64
+        if key.dtype is _I64 and key.ndim == 2 and (dtype is torch.float32 or dtype is torch.float64) and _random._C_EAGER:
+            lib = _random._c_library()
+            if lib is not None:
+                n = key.shape[0]
+                out = torch.empty((n, *shape), dtype=dtype)
+                m = out.numel() // n if n else 0
+                if m:
+                    p, (ks, kw) = key.data_ptr(), key.stride()
+                    if getattr(lib, f32 if dtype is torch.float32 else f64)(n, p, p + 8 * kw, ks, m, out.data_ptr(),
+                                                                             torch.get_num_threads()):
+                        _random.check_key(key)  # raises
+                return out
         _int64("key", key)
         fr = _random
         lib = fr._c_library() if fr._C_EAGER else None
@@ -100,7 +115,22 @@ def _split(key: Tensor, num: int) -> Tensor:
     return out.permute(*range(2, 2 + len(batch)), 1, 0)
 
 
+_I64 = torch.int64
+
+
 def _fold_in(key: Tensor, data: Tensor) -> Tensor:
+    # the common call first, with nothing but the C call: a chain's keys (n, 2) and a step index
+    # (compiled code calls this once a step, where Inductor's fused Philox cost a few microseconds)
+    if key.dtype is _I64 and data.dtype is _I64 and key.ndim == 2 and data.ndim == 0 and _random._C_EAGER:
+        lib = _random._c_library()
+        if lib is not None:
+            n = key.shape[0]
+            out = torch.empty((2, n), dtype=_I64)
+            if n:
+                p, (ks, kw) = key.data_ptr(), key.stride()
+                if lib.fnebm_fold_in(n, p, p + 8 * kw, ks, data.data_ptr(), 0, out.data_ptr(), torch.get_num_threads()):
+                    _random.check_key(key)  # raises
+            return out.t()
     _int64("key", key)
     _int64("data", data)
     fr = _random
