@@ -105,7 +105,11 @@ def compile_patches() -> dict:
             record = _isa_record()
             if record is not None:
                 folders, name = record
-                _isa_known = any((folder / name).is_file() for folder in folders) or _probe_and_record(folders, name)
+                # a record counts only in a folder of this user's own (as the C libraries, fnebm._cbuild)
+                from fnebm import _cbuild
+
+                _isa_known = (any((folder / name).is_file() and _cbuild._usable(folder) for folder in folders)
+                              or _probe_and_record(folders, name))
         except Exception:  # pragma: no cover - no record, torch's own probe
             _isa_known = False
     return {"cpp.vec_isa_ok": True} if _isa_known else {}
