@@ -15,9 +15,10 @@ it has one, else ``vmap``), eager or compiled:
   compiled by Inductor (announced by an :class:`EnergyCompileNotice`) once the evaluations of
   this energy have taken as long as a compile is expected to take: the longest compile of an
   evaluation measured in this process, else the median recorded on this machine, else
-  :data:`AUTO_COMPILE_AFTER_S`, 20 s, what
-  ``sample_chain(compile="auto")`` takes a compile to cost (a first compile of a small energy's
-  evaluation took 13-19 s on this project's 2-core host, 3-4 s from Inductor's on-disk cache).
+  :data:`AUTO_COMPILE_AFTER_S`, 12 s: a first compile of a small energy's evaluation on this
+  project's 2-core host took 11.8-12.9 s on a machine that had never compiled (the 100-D Gaussian
+  posterior; empty Inductor and fnebm caches, four runs) and 5.6 s for a new energy on one that
+  had (the vector-ISA probe recorded, :mod:`fnebm._inductor`).
   The rule of renting skis: a run never spends much more than twice what the better choice in
   hindsight would have; a short run never waits for a compile, a long one waits once.
 
@@ -58,8 +59,8 @@ from fnebm.gradients import value_and_grad
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
            "TUNE_CALLS"]
 
-AUTO_COMPILE_AFTER_S = 20.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
-# (what sample_chain's compile="auto" takes a compile to cost, fnebm.chain.runner)
+AUTO_COMPILE_AFTER_S = 12.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
+# (a first energy compile measured here on a machine that had never compiled; module docstring)
 TRACE_AFTER_S = 0.5  # eager evaluation seconds after which "auto" traces the evaluation (no code generation)
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
 COMPILE_CHOICES = (True, False, "auto")
