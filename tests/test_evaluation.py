@@ -33,7 +33,8 @@ class _FakeCompile:
     def __call__(self, fn, **kw):
         self.compiled += 1
         backend = kw.get("backend", "inductor")  # fnebm compiles with Inductor through fnebm._inductor
-        self.backends = getattr(self, "backends", []) + ["inductor" if backend is _inductor.inductor_backend else backend]
+        inductor = backend is _inductor.inductor_backend or getattr(backend, "__name__", "") == "_backend"
+        self.backends = getattr(self, "backends", []) + ["inductor" if inductor else backend]
 
         def run(x):
             self.calls += 1
@@ -269,3 +270,29 @@ def test_inside_a_users_fullgraph_compile_a_plain_function_takes_the_torch_kerne
     # the torch kernel's loop is in the graph
     assert any(n.op == "call_function" and str(n.target).split(".")[-1] == "while_loop"
                for g in counter.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
+
+
+def test_a_scope_pins_the_compiled_graph_and_the_next_scope_checks_again():
+    # inside a kernel's loop (scope) the graph Dynamo chose at the first call runs directly; the
+    # next scope goes through torch.compile's guards again, so a rebound tensor is seen there
+    P_now = {"P": P.clone()}
+
+    def energy_of_global(x):
+        return 0.5 * (x @ (P_now["P"] @ x))
+
+    ev = evaluation.evaluator(energy_of_global, 1, True)
+    xs = [fr.normal(fr.key(30 + i), (3, 2)) for i in range(4)]
+    with ev.scope():
+        outs = [ev(x) for x in xs]
+        assert ev.ev.pin is not None  # the first call's graph, kept for this scope
+        odd = fr.normal(fr.key(40), (5, 2))  # another shape: through torch.compile, right values
+        e5, g5 = ev(odd)
+    assert ev.ev.pin is None
+    for x, (e, g) in zip(xs, outs):
+        torch.testing.assert_close(g, x @ P_now["P"])
+        torch.testing.assert_close(e, 0.5 * ((x @ P_now["P"]) * x).sum(-1))
+    torch.testing.assert_close(g5, odd @ P_now["P"])
+    P_now["P"] = 2.0 * P  # rebound between two loops: the next scope's guards see it
+    with ev.scope():
+        for x in xs:
+            torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
