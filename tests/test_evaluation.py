@@ -33,8 +33,9 @@ class _FakeCompile:
     def __call__(self, fn, **kw):
         self.compiled += 1
         backend = kw.get("backend", "inductor")  # fnebm compiles with Inductor through fnebm._inductor
-        inductor = backend is _inductor.inductor_backend or getattr(backend, "__name__", "") == "_backend"
-        self.backends = getattr(self, "backends", []) + ["inductor" if inductor else backend]
+        name = getattr(backend, "__name__", "")  # the evaluator's own backends record the graph they build
+        backend = {"_backend": "inductor", "_traced_backend": "aot_eager"}.get(name, backend)
+        self.backends = getattr(self, "backends", []) + ["inductor" if backend is _inductor.inductor_backend else backend]
 
         def run(x):
             self.calls += 1
@@ -296,3 +297,18 @@ def test_a_scope_pins_the_compiled_graph_and_the_next_scope_checks_again():
     with ev.scope():
         for x in xs:
             torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
+
+
+def test_the_traced_tier_is_pinned_too(monkeypatch):
+    # "auto"'s middle tier (aot_eager) goes through torch.compile per call too: pinned the same way
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
+    monkeypatch.setattr(evaluation, "_kept", type(evaluation._kept)())
+    f = _fresh(energy)
+    ev = evaluation.evaluator(f, 1, "auto")
+    xs = [fr.normal(fr.key(50 + i), (3, 2)) for i in range(4)]
+    ev(xs[0])  # eager, then traced from the next call on
+    with ev.scope():
+        outs = [ev(x) for x in xs]
+        assert ev.ev.traced is not None and ev.ev.compiled is None and ev.ev.pin is not None
+    for x, (e, g) in zip(xs, outs):
+        torch.testing.assert_close(g, x @ P)

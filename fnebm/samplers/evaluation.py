@@ -150,7 +150,18 @@ class _Evaluation:
 
         return self._recording(_inductor.inductor_backend(gm, example_inputs))
 
+    def _traced_backend(self, gm: Any, example_inputs: Any) -> Callable:
+        from torch._dynamo.backends.debugging import aot_eager  # the "aot_eager" backend itself
+
+        return self._recording(aot_eager(gm, example_inputs))
+
     def _call_compiled(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self._call_pinned(self.compiled, x)
+
+    def _call_traced(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self._call_pinned(self.traced, x)
+
+    def _call_pinned(self, fn: Callable, x: Tensor) -> tuple[Tensor, Tensor]:
         pin = self.pin
         if pin is not None:
             compiled, args, i, meta, _ = pin
@@ -160,10 +171,10 @@ class _Evaluation:
                 e, g = compiled(*args)
                 return e, g
         if not self.pin_armed:
-            return self.compiled(x)
+            return fn(x)
         self._pin_x = x
         try:
-            out = self.compiled(x)
+            out = fn(x)
         finally:
             self._pin_x = None
         pin = self.pin
@@ -218,6 +229,7 @@ class _Evaluation:
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
                           "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
         self.compiled = torch.compile(self.entry, dynamic=False, backend=self._backend)
+        self.pin = None  # a pinned traced graph (the tier below) is not what this loop runs from now on
 
     def compiled_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         if self.compile_s is not None:
@@ -249,7 +261,7 @@ class _Evaluation:
         if self.traced is None:
             t0 = time.perf_counter()
             try:
-                self.traced = torch.compile(self.entry, dynamic=False, backend="aot_eager")
+                self.traced = torch.compile(self.entry, dynamic=False, backend=self._traced_backend)
                 out = self.traced(x)
             except Exception:  # noqa: BLE001 - not traceable: eager (an error of the energy re-raises there)
                 self.traced, self.trace_failed = None, True
@@ -257,7 +269,7 @@ class _Evaluation:
             self.eager_s += time.perf_counter() - t0
             self.one_thread, self.trials = None, []  # new code: time the threads again
             return out
-        out, seconds = self.run(self.traced, x, tune)
+        out, seconds = self.run(self._call_traced, x, tune)
         self.eager_s += seconds
         return out
 
