@@ -21,8 +21,6 @@ gives the same words).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -73,80 +71,41 @@ def _int64(name: str, t: Tensor) -> None:
         raise TypeError(f"torch.ops.fnebm: {name} must have dtype torch.int64, got {t.dtype}")
 
 
-def _draw(name: str):
-    f32, f64 = f"fnebm_{name}_f32", f"fnebm_{name}_f64"
+def _c():
+    # the C library, or None (unavailable, or switched off by the tests): then the eager functions'
+    # NumPy path, the same words
+    return _random._c_library() if _random._C_EAGER else None
 
+
+def _draw(name: str):
     def impl(key: Tensor, shape, dtype: torch.dtype) -> Tensor:
-        # the common call first: a chain's keys (n, 2), float32 or float64
-        if key.dtype is _I64 and key.ndim == 2 and (dtype is torch.float32 or dtype is torch.float64) and _random._C_EAGER:
-            lib = _random._c_library()
-            if lib is not None:
-                n = key.shape[0]
-                out = torch.empty((n, *shape), dtype=dtype)
-                m = out.numel() // n if n else 0
-                if m:
-                    p, (ks, kw) = key.data_ptr(), key.stride()
-                    if getattr(lib, f32 if dtype is torch.float32 else f64)(n, p, p + 8 * kw, ks, m, out.data_ptr(),
-                                                                             torch.get_num_threads()):
-                        _random.check_key(key)  # raises
-                return out
         _int64("key", key)
-        fr = _random
-        lib = fr._c_library() if fr._C_EAGER else None
+        lib = _c()
         if lib is None:
-            return getattr(fr, name)(key, tuple(shape), dtype).contiguous()
-        return fr._draw_c(lib, name, key, tuple(shape), dtype)
+            return getattr(_random, name)(key, tuple(shape), dtype).contiguous()
+        return _random._draw_c(lib, name, key, tuple(shape), dtype)
 
     return impl
 
 
 def _split(key: Tensor, num: int) -> Tensor:
     _int64("key", key)
-    fr = _random
-    lib = fr._c_library() if fr._C_EAGER else None
-    batch = tuple(key.shape[:-1])
-    out = torch.empty((2, num) + batch, dtype=torch.int64)
+    lib = _c()
     if lib is None:
-        return _like(out.permute(*range(2, 2 + len(batch)), 1, 0), fr.split(key, num))
-    if out.numel():
-        kw, k0, k1, ks = fr._key_words(key)
-        if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
-            fr.check_key(key)  # raises
-    return out.permute(*range(2, 2 + len(batch)), 1, 0)
-
-
-_I64 = torch.int64
+        batch = tuple(key.shape[:-1])
+        layout = torch.empty((2, num) + batch, dtype=torch.int64).permute(*range(2, 2 + len(batch)), 1, 0)
+        return _like(layout, _random.split(key, num))
+    return _random._split_c(lib, key, num)
 
 
 def _fold_in(key: Tensor, data: Tensor) -> Tensor:
-    # the common call first, with nothing but the C call: a chain's keys (n, 2) and a step index
-    # (compiled code calls this once a step, where Inductor's fused Philox cost a few microseconds)
-    if key.dtype is _I64 and data.dtype is _I64 and key.ndim == 2 and data.ndim == 0 and _random._C_EAGER:
-        lib = _random._c_library()
-        if lib is not None:
-            n = key.shape[0]
-            out = torch.empty((2, n), dtype=_I64)
-            if n:
-                p, (ks, kw) = key.data_ptr(), key.stride()
-                if lib.fnebm_fold_in(n, p, p + 8 * kw, ks, data.data_ptr(), 0, out.data_ptr(), torch.get_num_threads()):
-                    _random.check_key(key)  # raises
-            return out.t()
     _int64("key", key)
     _int64("data", data)
-    fr = _random
-    lib = fr._c_library() if fr._C_EAGER else None
-    batch = tuple(key.shape[:-1])
-    shape = batch if tuple(data.shape) == batch else fr._broadcast_shapes(batch, tuple(data.shape))
-    out = torch.empty((2,) + shape, dtype=torch.int64)
+    lib = _c()
     if lib is None:
-        return _like(out.movedim(0, -1), fr.fold_in(key, data))
-    d = data.expand(shape).reshape(-1)
-    n = out.numel() // 2
-    if n:
-        kw, k0, k1, ks = fr._key_words(key if batch == shape else key.expand(shape + (2,)))
-        if lib.fnebm_fold_in(n, k0, k1, ks, d.data_ptr(), d.stride(0), out.data_ptr(), torch.get_num_threads()):
-            fr.check_key(key)  # raises
-    return out.movedim(0, -1)
+        shape = tuple(torch.broadcast_shapes(tuple(key.shape[:-1]), tuple(data.shape)))
+        return _like(torch.empty((2,) + shape, dtype=torch.int64).movedim(0, -1), _random.fold_in(key, data))
+    return _random._fold_in_c(lib, key, data)
 
 
 if not _DEFINED:

@@ -533,17 +533,10 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
     # a SymInt (a traced chain count under dynamic shapes) is fine too
     if not isinstance(num, torch.SymInt):
         num = _checks.check_int("num", num, 1)
-        lib = _c_eligible((key,))
-        if lib is not None:
-            _checks.check_key(key)  # the words' range: in C
-            batch = tuple(key.shape[:-1])
-            out = torch.empty((2, num) + batch, dtype=torch.int64)  # stored as the torch path stores it
-            if out.numel():
-                kw, k0, k1, ks = _key_words(key)
-                if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
-                    check_key(key)  # raises
-            return out.permute(*range(2, 2 + len(batch)), 1, 0)
         _checks.check_key(key)
+        lib = _c_eligible((key,))
+        if lib is not None:  # the words' range: in C
+            return _split_c(lib, key, num)
         if _op_eligible(key):
             return torch.ops.fnebm.split(key, num)
     # One block gives two keys: key i is words (2(i % 2), 2(i % 2) + 1) of block i // 2.
@@ -574,21 +567,7 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
             raise ValueError(f"data must fit in int64, got {data}")
     lib = _c_eligible((key, data) if isinstance(data, torch.Tensor) else (key,))
     if lib is not None:
-        if isinstance(data, torch.Tensor):
-            batch = key.shape[:-1]
-            shape = batch if data.shape == batch else _broadcast_shapes(batch, data.shape)
-            d = data.expand(shape).reshape(-1)
-            d_ptr, d_stride = d.data_ptr(), d.stride(0)
-        else:  # an int (a step index): read in place, no tensor made for it
-            shape, d = key.shape[:-1], ctypes.c_int64(data)
-            d_ptr, d_stride = ctypes.addressof(d), 0
-        out = torch.empty((2,) + tuple(shape), dtype=torch.int64)  # word-major, as _word_major stores it
-        n = out.numel() // 2
-        if n:
-            kw, k0, k1, ks = _key_words(key if key.shape[:-1] == shape else key.expand(tuple(shape) + (2,)))
-            if lib.fnebm_fold_in(n, k0, k1, ks, d_ptr, d_stride, out.data_ptr(), torch.get_num_threads()):
-                check_key(key)  # raises
-        return out.movedim(0, -1)
+        return _fold_in_c(lib, key, data)
     if not isinstance(data, torch.Tensor):
         data = torch.tensor(data, dtype=torch.int64, device=key.device)
     if _op_eligible(key):
@@ -600,6 +579,43 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     k0, k1 = key[..., 0], key[..., 1]
     w0, w1, _, _ = philox4x32(d_lo, d_hi, zero + _FOLD_TAG, zero, k0, k1)
     return _word_major(w0, w1)
+
+
+def _split_c(lib, key: torch.Tensor, num: int) -> torch.Tensor:
+    """:func:`split` of an int64 CPU key in C (the eager path and ``torch.ops.fnebm.split``)."""
+    batch = tuple(key.shape[:-1])
+    out = torch.empty((2, num) + batch, dtype=torch.int64)  # stored as the torch path stores it
+    if out.numel():
+        kw, k0, k1, ks = _key_words(key)
+        if lib.fnebm_split(math.prod(batch), k0, k1, ks, num, out.data_ptr(), torch.get_num_threads()):
+            check_key(key)  # raises
+    return out.permute(*range(2, 2 + len(batch)), 1, 0)
+
+
+def _fold_in_c(lib, key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
+    """:func:`fold_in` of an int64 CPU key and int64 data (a tensor, or an int read in place) in C
+    (the eager path and ``torch.ops.fnebm.fold_in``)."""
+    batch = tuple(key.shape[:-1])
+    if not isinstance(data, torch.Tensor):  # an int (a step index): read in place, no tensor made for it
+        shape, d = batch, ctypes.c_int64(data)
+        d_ptr, d_stride = ctypes.addressof(d), 0
+    elif data.ndim == 0:  # a step index as a tensor (compiled code's): read in place too
+        shape, d_ptr, d_stride = batch, data.data_ptr(), 0
+    else:
+        shape = batch if tuple(data.shape) == batch else _broadcast_shapes(batch, tuple(data.shape))
+        d = data.expand(shape).reshape(-1)
+        d_ptr, d_stride = d.data_ptr(), d.stride(0)
+    out = torch.empty((2,) + shape, dtype=torch.int64)  # word-major, as _word_major stores it
+    n = out.numel() // 2
+    if n:
+        if key.ndim == 2 and batch == shape:  # a chain's keys (n, 2): their words in place
+            k0 = key.data_ptr()
+            k1, ks = k0 + 8 * key.stride(1), key.stride(0)
+        else:
+            kw, k0, k1, ks = _key_words(key if batch == shape else key.expand(shape + (2,)))
+        if lib.fnebm_fold_in(n, k0, k1, ks, d_ptr, d_stride, out.data_ptr(), torch.get_num_threads()):
+            check_key(key)  # raises
+    return out.movedim(0, -1)
 
 
 def _word_major(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,8 @@ class CompileFallbackWarning(UserWarning):
     shapes; later calls in the process run eagerly without trying the compile again, and their
     :class:`RunPlan` carries the reason in ``fallback``."""
 
-# fnebm's Inductor backend and options live in fnebm._inductor (the evaluations of
-# fnebm.samplers.evaluation compile with them too); the names stay importable from here.
-_COMPILE_OPTIONS, _has_while_loop, _passive_openmp = _inductor._COMPILE_OPTIONS, _inductor._has_while_loop, _inductor.passive_openmp
+# fnebm's Inductor backend lives in fnebm._inductor (the evaluations of fnebm.samplers.evaluation
+# compile with it too); importable from here as before
 inductor_backend = _inductor.inductor_backend
 
 _IDS = itertools.count()

@@ -91,8 +91,9 @@ class _Evaluation:
         # inside a scope: the compiled graph Dynamo chose at the scope's first call, called directly
         # for the rest of it (see pinned())
         self.pin_armed = False
-        self.pin: tuple | None = None
-        self._pin_x: Tensor | None = None
+        self.pin: tuple | None = None  # (graph, its inputs, where the positions are, their shape/strides/dtype/device)
+        self._pin_x: Tensor | None = None  # the positions of the call being recorded
+        self._pin_out: Any = None  # that call's graph outputs, until checked against what Dynamo returned
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -120,7 +121,9 @@ class _Evaluation:
         directly, with the new positions in place of the old (same shape, strides and dtype, else
         through ``torch.compile`` again). Nothing the guards check can change between two trips, and
         a trip saves their cost and Dynamo's frame: 117 -> 84 us an evaluation of the logistic
-        regression (docs/performance.md)."""
+        regression (docs/performance.md). An energy's Python side effects outside its tensors (a
+        call counter in a list, a print) run at each loop's first call only, as they run once when
+        a graph is traced; its values are the graph's either way."""
         if self.pin_armed or self.pin is not None:  # nested: the outer scope holds the pin
             yield
             return
@@ -128,7 +131,7 @@ class _Evaluation:
         try:
             yield
         finally:
-            self.pin_armed, self.pin, self._pin_x = False, None, None
+            self.pin_armed, self.pin, self._pin_x, self._pin_out = False, None, None, None
 
     def _recording(self, compiled: Callable) -> Callable:
         """The graph ``compiled`` as Dynamo calls it; inside :meth:`pinned`, its first call is kept
@@ -140,7 +143,8 @@ class _Evaluation:
             if self.pin_armed and self.pin is None and x is not None:
                 at = [i for i, a in enumerate(args) if a is x]
                 if len(at) == 1 and isinstance(out, (list, tuple)) and len(out) == 2:
-                    self.pin = (compiled, list(args), at[0], (x.shape, x.stride(), x.dtype, x.device), out)
+                    self.pin = (compiled, list(args), at[0], (x.shape, x.stride(), x.dtype, x.device))
+                    self._pin_out = out
             return out
 
         return call
@@ -164,7 +168,7 @@ class _Evaluation:
     def _call_pinned(self, fn: Callable, x: Tensor) -> tuple[Tensor, Tensor]:
         pin = self.pin
         if pin is not None:
-            compiled, args, i, meta, _ = pin
+            compiled, args, i, meta = pin
             if (x.shape, x.stride(), x.dtype, x.device) == meta:
                 args = list(args)
                 args[i] = x
@@ -177,12 +181,10 @@ class _Evaluation:
             out = fn(x)
         finally:
             self._pin_x = None
-        pin = self.pin
-        if pin is not None and pin[4] is not None:  # the graph's outputs must be what Dynamo returned
-            if not (isinstance(out, tuple) and len(out) == 2 and out[0] is pin[4][0] and out[1] is pin[4][1]):
+        graph_out, self._pin_out = self._pin_out, None
+        if self.pin is not None and graph_out is not None:  # the graph's outputs must be what Dynamo returned
+            if not (isinstance(out, tuple) and len(out) == 2 and out[0] is graph_out[0] and out[1] is graph_out[1]):
                 self.pin = None
-            else:
-                self.pin = pin[:4] + (None,)  # drop the first outputs: they are the caller's now
         return out
 
     def run(self, fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor,
