@@ -2,7 +2,7 @@
 
     python bench/posterior.py [--only logreg,schools,gauss100,mala] [--repeats N] [--rounds N]
                               [--json PATH] [--fnebm-compile {default,auto,true,false}]
-                              [--fnebm-tree PATH] [--timeout S] [--calls N] [--quick]
+                              [--fnebm-tree PATH] [--timeout S] [--calls N] [--quick] [--device cpu|cuda]
 
 Issue 26, goal 3 (measured here, not optimised): first result <= 2x BlackJAX's first call, warm
 ESS per second >= BlackJAX's. Every target is a plain function of one position vector, float32,
@@ -67,7 +67,9 @@ in hand (torch: CPU tensors; JAX: block_until_ready and a host copy). Phases:
 The implementations alternate (fnebm, blackjax[, plain], then the reverse order) over --repeats;
 ratios are medians of per-pair (per-round) ratios, fnebm / peer: time < 1 and ESS/s > 1 mean
 fnebm is faster (ESS/s ratio = ESS ratio / median per-round time ratio). Every worker runs with
-OMP_WAIT_POLICY=PASSIVE; JAX on its defaults (float32, no XLA_FLAGS). A worker that runs past
+OMP_WAIT_POLICY=PASSIVE; JAX on its defaults (float32, no XLA_FLAGS). --device cuda puts the torch
+rows' data, starting points and keys on the GPU (synchronised before each time is read); JAX then
+runs on its default platform, the GPU (XLA_PYTHON_CLIENT_PREALLOCATE=false, beside torch). A worker that runs past
 --timeout seconds is stopped and reported as "> S s". The results go to
 bench/results-posterior.json (or --json), with the CPU, /proc/loadavg before and after, and the
 command line.
@@ -96,6 +98,7 @@ ALL = NUTS_WORKLOADS + ("mala",)
 CHAINS, WARMUP, DRAWS = 4, 1000, 1000
 MALA_CHAINS, MALA_STEPS, MALA_STEP = 1024, 1000, 2.5e-3
 MALA_KEEP = 500  # diagnostics on the last MALA_KEEP draws
+DEVICE = "cpu"  # where the torch rows run (--device); JAX runs on its default platform for that device
 IMPLS = {"logreg": ("fnebm", "blackjax"), "schools": ("fnebm", "blackjax"),
          "gauss100": ("fnebm", "blackjax"), "mala": ("fnebm", "blackjax", "plain")}
 
@@ -141,14 +144,14 @@ def torch_energy(workload: str, d: dict):
     import torch.nn.functional as F
 
     if workload in ("logreg", "mala"):
-        X, y = torch.from_numpy(d["X"]), torch.from_numpy(d["y"])
+        X, y = torch.from_numpy(d["X"]).to(DEVICE), torch.from_numpy(d["y"]).to(DEVICE)
 
         def energy(b):
             logits = X @ b
             return (F.softplus(logits) - y * logits).sum() + 0.5 * (b * b).sum()
 
     elif workload == "schools":
-        ys, sigma = torch.from_numpy(d["y"]), torch.from_numpy(d["sigma"])
+        ys, sigma = torch.from_numpy(d["y"]).to(DEVICE), torch.from_numpy(d["sigma"]).to(DEVICE)
 
         def energy(q):
             mu, log_tau, tt = q[0], q[1], q[2:]
@@ -159,7 +162,7 @@ def torch_energy(workload: str, d: dict):
             return nll + prior
 
     else:
-        P = torch.from_numpy(d["P"])
+        P = torch.from_numpy(d["P"]).to(DEVICE)
 
         def energy(x):
             return 0.5 * (x @ (P @ x))
@@ -202,6 +205,13 @@ def jax_logdensity(workload: str, d: dict):
 # Each maker returns run() -> (draws (draws, chains, dim) numpy/torch, stats dict, (t_adapt, t_sample)).
 
 
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _compile_kw(mode: str) -> dict:
     return {} if mode == "default" else {"compile": {"auto": "auto", "true": True, "false": False}[mode]}
 
@@ -212,16 +222,18 @@ def make_fnebm_nuts(workload: str, d: dict, mode: str):
     from fnebm import random as fr
 
     energy = torch_energy(workload, d)
-    x0 = torch.from_numpy(d["x0"])
+    x0 = torch.from_numpy(d["x0"]).to(DEVICE)
     kw = _compile_kw(mode)
 
     def run():
         t0 = time.perf_counter()
         warmup = fnebm.window_adaptation(fnebm.nuts, energy, WARMUP)
-        state, parameters, _ = warmup.run(x0, fr.key(1), **kw)
+        state, parameters, _ = warmup.run(x0, fr.key(1, device=DEVICE), **kw)
+        _sync()
         t1 = time.perf_counter()
         alg = fnebm.nuts(energy, **parameters)
-        _, trace, info = fnebm.sample_chain(alg.step, state, fr.key(2), DRAWS, **kw)
+        _, trace, info = fnebm.sample_chain(alg.step, state, fr.key(2, device=DEVICE), DRAWS, **kw)
+        _sync()
         t2 = time.perf_counter()
         stats = {"steps": info.num_integration_steps.double().mean().item(),
                  "accept": info.acceptance_rate.double().mean().item(),
@@ -285,14 +297,15 @@ def make_fnebm_mala(d: dict, mode: str):
     from fnebm import random as fr
 
     energy = torch_energy("mala", d)
-    x0 = torch.from_numpy(d["x0"])
+    x0 = torch.from_numpy(d["x0"]).to(DEVICE)
     kw = _compile_kw(mode)
 
     def run():
         t0 = time.perf_counter()
         alg = fnebm.mala(energy, MALA_STEP)
         state = torch.func.vmap(alg.init)(x0)
-        _, trace, info = fnebm.sample_chain(alg.step, state, fr.key(2), MALA_STEPS, **kw)
+        _, trace, info = fnebm.sample_chain(alg.step, state, fr.key(2, device=DEVICE), MALA_STEPS, **kw)
+        _sync()
         t1 = time.perf_counter()
         return trace, {"accept": info.acceptance_rate.double().mean().item()}, (0.0, t1 - t0)
 
@@ -334,8 +347,8 @@ def make_plain_mala(d: dict):
     import torch
     import torch.nn.functional as F
 
-    X, y = torch.from_numpy(d["X"]), torch.from_numpy(d["y"])
-    x0 = torch.from_numpy(d["x0"])
+    X, y = torch.from_numpy(d["X"]).to(DEVICE), torch.from_numpy(d["y"]).to(DEVICE)
+    x0 = torch.from_numpy(d["x0"]).to(DEVICE)
     h = MALA_STEP
 
     def energy(b):  # (chains, dim) -> (chains,)
@@ -350,25 +363,26 @@ def make_plain_mala(d: dict):
 
     def run():
         t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(3)
+        gen = torch.Generator(device=DEVICE).manual_seed(3)
         x = x0.clone()
         e, g = value_and_grad(x)
-        trace = torch.empty(MALA_STEPS, *x.shape)
-        acc = torch.empty(MALA_STEPS, x.shape[0])
+        trace = torch.empty(MALA_STEPS, *x.shape, device=DEVICE)
+        acc = torch.empty(MALA_STEPS, x.shape[0], device=DEVICE)
         for t in range(MALA_STEPS):
-            xp = x - h * g + (2 * h) ** 0.5 * torch.randn(x.shape, generator=gen)
+            xp = x - h * g + (2 * h) ** 0.5 * torch.randn(x.shape, generator=gen, device=DEVICE)
             ep, gp = value_and_grad(xp)
             # log q(x | x') - log q(x' | x), q(a | b) = N(a; b - h grad E(b), 2h)
             fwd = ((xp - x + h * g) ** 2).sum(1)
             bwd = ((x - xp + h * gp) ** 2).sum(1)
             log_alpha = e - ep + (fwd - bwd) / (4 * h)
             a = torch.exp(torch.clamp(log_alpha, max=0.0))
-            accept = torch.rand(x.shape[0], generator=gen) < a
+            accept = torch.rand(x.shape[0], generator=gen, device=DEVICE) < a
             x = torch.where(accept[:, None], xp, x)
             e = torch.where(accept, ep, e)
             g = torch.where(accept[:, None], gp, g)
             trace[t] = x
             acc[t] = a
+        _sync()
         t1 = time.perf_counter()
         return trace, {"accept": acc.double().mean().item()}, (0.0, t1 - t0)
 
@@ -405,7 +419,7 @@ def diagnose(draws) -> dict:
     import torch
     from fnebm import diagnostics
 
-    t = draws if isinstance(draws, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(draws))
+    t = draws.cpu() if isinstance(draws, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(draws))
     t = t.float()
     ess = diagnostics.ess_bulk(t, layout="draws_chains").double()
     return {"ess_min": float(ess.min()), "ess_median": float(ess.median()),
@@ -465,6 +479,7 @@ def worker_warm(impls: list[str], workload: str, mode: str, rounds: int) -> None
 def _env(impl_tree: str | None, cache: str | None) -> dict:
     env = dict(os.environ)
     env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # JAX beside torch on one GPU: allocate as needed
     for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_X64", "XLA_FLAGS"):
         env.pop(k, None)
     if impl_tree:
@@ -539,7 +554,7 @@ def _time_or_timeout(res: dict, key: str):
 def run_workload(workload: str, args) -> dict:
     impls = list(IMPLS[workload])
     mode = args.fnebm_compile
-    common = ["--workload", workload, "--fnebm-compile", mode] + (["--quick"] if args.quick else [])
+    common = ["--workload", workload, "--fnebm-compile", mode, "--device", args.device] + (["--quick"] if args.quick else [])
     tree = {impl: (args.fnebm_tree if impl == "fnebm" else None) for impl in impls}
     out = {"impls": impls, "cold": {i: [] for i in impls}, "warm": []}
     for rep in range(args.repeats):
@@ -667,6 +682,8 @@ def main() -> None:
                         "else that compile= for both")
     p.add_argument("--fnebm-tree", default=None, help="run fnebm from this checkout (PYTHONPATH in the workers)")
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per worker process before it is stopped")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the torch rows run (JAX uses its default platform: the GPU when there is one)")
     # worker mode (internal)
     p.add_argument("--quick", action="store_true", help="a smoke test: 100 + 100 NUTS iterations, 100 MALA steps")
     p.add_argument("--worker", choices=("single", "warm"))
@@ -675,6 +692,14 @@ def main() -> None:
     p.add_argument("--workload")
     p.add_argument("--calls", type=int, default=2, help="calls in each cold process (the 2nd: 'again')")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("posterior.py: --device cuda: no CUDA device", file=sys.stderr)
+            sys.exit(2)
     if args.quick:
         global WARMUP, DRAWS, MALA_STEPS, MALA_KEEP
         WARMUP, DRAWS, MALA_STEPS, MALA_KEEP = 100, 100, 100, 50
@@ -693,7 +718,8 @@ def main() -> None:
     record = {"command": " ".join([os.path.basename(sys.executable), "bench/posterior.py", *sys.argv[1:]]),
               "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpu": _cpu(),
               "loadavg_before": _loadavg(), "fnebm_tree": args.fnebm_tree or ROOT,
-              "fnebm_compile": args.fnebm_compile, "python": platform.python_version(), "workloads": {}}
+              "fnebm_compile": args.fnebm_compile, "python": platform.python_version(), "device": args.device,
+              "workloads": {}}
     try:
         import importlib.metadata as md
 
