@@ -100,14 +100,16 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
 
     def flat_body(carry, t):
         new, (kept, info) = body(step, collect, keys, pytree.tree_unflatten(list(carry), specs[0]), t)
-        # bool info (is_divergent, is_accepted) is stacked as uint8 and viewed back as bool after
+        # bool info (is_divergent, is_accepted) is stacked as uint8 and compared back to bool after
         # the loop: Inductor's CPU code stores a bool vector lane by lane (a 10,000-chain MALA
         # step: about 60 us of 730 for its two flags), a uint8 one with vector instructions
         info = [x.to(torch.uint8) if b else x for x, b in zip(pytree.tree_leaves(info), flags)]
         return tuple(pytree.tree_leaves(new)), (tuple(pytree.tree_leaves(kept)), tuple(info))
 
     carry, (kept, info) = scan(flat_body, tuple(pytree.tree_leaves(state)), ts)
-    info = tuple(x.view(torch.bool) if b else x for x, b in zip(info, flags))
+    # back to bool by a comparison, not a view: torch 2.11's Inductor cannot lower a uint8 -> bool
+    # bitcast (torch.iinfo(torch.bool) raises; measured on an H100, every compiled chain failed)
+    info = tuple(x != 0 if b else x for x, b in zip(info, flags))
     return tuple(pytree.tree_unflatten(list(x), spec) for x, spec in zip((carry, kept, info), specs))
 
 
