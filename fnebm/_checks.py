@@ -14,11 +14,13 @@ This is the bottom layer: it imports only ``torch``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 import operator
-from typing import Any
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -38,6 +40,36 @@ __all__ = [
 ]
 
 _M32 = 0xFFFFFFFF
+
+_blocks = threading.local()  # .memo: the innermost eager block's answers (see eager_block)
+
+
+@contextlib.contextmanager
+def eager_block() -> Iterator[None]:
+    """A stretch of eager steps that runs no user code between two steps (``sample_chain``'s eager
+    engine holds one around a chunk's loop): checks that depend only on an energy and the tensors it
+    holds (:func:`block_memo`) are answered once in it instead of at every step. Nested blocks keep
+    their own answers; other threads see none."""
+    outer = getattr(_blocks, "memo", None)
+    _blocks.memo = {}
+    try:
+        yield
+    finally:
+        _blocks.memo = outer
+
+
+def block_memo(tag: Any, obj: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered for ``obj`` (by identity, the object kept alive beside the answer) in
+    the innermost :func:`eager_block`; outside one, or while compiling, computed every time."""
+    memo = getattr(_blocks, "memo", None)
+    if memo is None or torch.compiler.is_compiling():
+        return compute()
+    found = memo.get((tag, id(obj)))
+    if found is not None and found[0] is obj:
+        return found[1]
+    value = compute()
+    memo[(tag, id(obj))] = (obj, value)
+    return value
 
 
 def is_concrete(*tensors: Any) -> bool:

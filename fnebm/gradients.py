@@ -145,8 +145,10 @@ def _plain_eager(energy: object, xs: Tensor) -> bool:
     """Eager plain tensors, and no graph asked for through the energy (``torch.autograd.grad`` may serve)."""
     if not _checks.is_concrete(xs) or xs.requires_grad or torch.is_inference_mode_enabled():
         return False
-    return not any(isinstance(t, Tensor) and (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t))
-                   for t in pytree.tree_leaves(energy))
+    # the energy's leaves are walked once per eager block of steps (no user code changes them there)
+    return _checks.block_memo("plain_eager", energy, lambda: not any(
+        isinstance(t, Tensor) and (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t))
+        for t in pytree.tree_leaves(energy)))
 
 
 def score(energy: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

@@ -325,3 +325,61 @@ def test_auto_uses_the_measured_compile_time_and_announces_a_compile():
     assert cache.compile_s == {}
     fixed = RunnerCache(compile_estimate_s=12.0)  # an explicit estimate is kept: nothing measured
     assert fixed._timed("kind", len) is len
+
+
+def test_an_eager_block_answers_an_energys_checks_once_and_only_inside_it(monkeypatch):
+    # sample_chain's eager engine holds an eager block around a chunk's steps: the energy's checks
+    # (its leaves, whether the module holds the params) run once there, at every call outside one
+    import threading
+
+    from fnebm import _checks
+    from fnebm.energies import neural
+
+    net = _net()
+    fn, params = E.from_module(net)
+    energy, xs = E.bind(fn, params), _xs(5, 6)
+    calls = []
+    real = neural.ModuleEnergy._holds_now
+    monkeypatch.setattr(neural.ModuleEnergy, "_holds_now", lambda self, p: calls.append(1) or real(self, p))
+    vg = value_and_grad(energy, 1)
+    vg(xs)
+    for _ in range(3):
+        vg(xs)
+    assert len(calls) == 4  # outside a block: every call
+    calls.clear()
+    with _checks.eager_block():
+        want = vg(xs)
+        for _ in range(3):
+            torch.testing.assert_close(vg(xs), want, rtol=0, atol=0)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_checks.block_memo("x", energy, lambda: "computed")))
+        t.start()
+        t.join()
+        assert seen == ["computed"]  # another thread has no block
+        with _checks.eager_block():  # a nested block answers afresh
+            vg(xs)
+    assert len(calls) == 2
+    calls.clear()
+    net[2].weight = nn.Parameter(net[2].weight.detach() + 1.0)  # between two blocks: seen by the next
+    with _checks.eager_block():
+        v, g = vg(xs)
+    assert len(calls) == 1
+    want = torch.func.vmap(torch.func.grad_and_value(
+        lambda x: torch.func.functional_call(net, params, (x[None],)).reshape(())))(xs)
+    torch.testing.assert_close((g, v), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_number_step_size_stays_a_host_scalar_beside_device_tensors():
+    # eagerly, per_chain keeps a 0-dim CPU tunable on the host for a device state (no copy to the
+    # device, which waits for it, at every step); per-chain values go to the device. "meta" stands in
+    # for a GPU here.
+    from fnebm.samplers.base import per_chain
+
+    x = torch.empty(4, 3, device="meta")
+    h = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), x)
+    assert h.device.type == "cpu" and h.dtype == torch.float32 and h.shape == ()
+    assert (x - h * x).device.type == "meta"
+    per = per_chain("step_size", torch.full((4,), 0.1, dtype=F64), (4,), x)
+    assert per.device.type == "meta" and per.shape == (4, 1)
+    cpu = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), torch.zeros(4, 3))
+    assert cpu.dtype == torch.float32 and cpu.shape == (1,) * 2 and cpu.item() == torch.tensor(0.1).item()

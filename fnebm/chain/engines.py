@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fnebm import _checks
 from fnebm import random as fr
 from fnebm.chain.runner import RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
@@ -178,13 +179,14 @@ class TorchEngine:
         # on the CPU the step indices as Python ints: fold_in then makes no tensor for each (the same keys)
         n = ts.shape[0]
         steps = range(int(ts[0]), int(ts[0]) + n) if ts.device.type == "cpu" and n else ts
-        for i in range(a, n):
-            if i == a and first is not None:
-                state, info = first  # the same step on the same state and key, run by the probe
-            else:
-                state, info = self.step(state, fr.fold_in(self.keys, steps[i]))
-            if self._keeps(kept, i):
-                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
+        with _checks.eager_block():  # no user code runs between two steps: the energy's checks once
+            for i in range(a, n):
+                if i == a and first is not None:
+                    state, info = first  # the same step on the same state and key, run by the probe
+                else:
+                    state, info = self.step(state, fr.fold_in(self.keys, steps[i]))
+                if self._keeps(kept, i):
+                    outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
         return _stacked(state, outs)
 
     def _keeps(self, kept: Kept | None, i: int) -> bool:

@@ -180,6 +180,11 @@ class ModuleEnergy(_CheckedOnce):
         call). Then the two compute the same operations on the same values."""
         if type(params) is not dict or not _checks.is_concrete(xs):
             return False
+        # once per eager block of steps (sample_chain's eager engine): no user code rebinds a module's
+        # tensors between two of its steps
+        return _checks.block_memo(("holds", id(self)), params, lambda: self._holds_now(params))
+
+    def _holds_now(self, params: dict) -> bool:
         slots = self._slots
         if slots is None:
             slots = _slots(self.module)
