@@ -80,6 +80,10 @@ def _entry(rank, fn, store, nprocs, args):
     )
     try:
         fn(rank, *args)
+        # every rank done before any tears the group down: a rank that destroyed it (and its file
+        # store) while the other was still leaving its last collective once aborted that rank
+        # ("terminate called without an active exception", SIGABRT) in a full-suite run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
