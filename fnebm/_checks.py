@@ -47,15 +47,31 @@ _blocks = threading.local()  # .memo: the innermost eager block's answers (see e
 @contextlib.contextmanager
 def eager_block() -> Iterator[None]:
     """A stretch of eager steps that runs no user code between two steps (``sample_chain``'s eager
-    engine holds one around a chunk's loop): checks that depend only on an energy and the tensors it
-    holds (:func:`block_memo`) are answered once in it instead of at every step. Nested blocks keep
-    their own answers; other threads see none."""
+    engine holds one around a chunk's loop, a warm-up's iterations included): checks that depend
+    only on an energy and the tensors it holds (:func:`block_memo`) are answered once in it instead
+    of at every step, and state kept for the block (a pinned compiled evaluation) is dropped at its
+    end (:func:`at_block_exit`). Nested blocks keep their own answers; other threads see none."""
     outer = getattr(_blocks, "memo", None)
-    _blocks.memo = {}
+    _blocks.memo = memo = {}
     try:
         yield
     finally:
         _blocks.memo = outer
+        for fn in memo.get(_AT_EXIT, ()):
+            fn()
+
+
+_AT_EXIT = object()  # the key of a block's exit callbacks in its memo
+
+
+def at_block_exit(fn: Callable[[], None]) -> bool:
+    """Call ``fn()`` when the innermost :func:`eager_block` ends; ``False`` (and nothing registered)
+    outside one, or while compiling, where the caller cleans up at once."""
+    memo = getattr(_blocks, "memo", None)
+    if memo is None or torch.compiler.is_compiling():
+        return False
+    memo.setdefault(_AT_EXIT, []).append(fn)
+    return True
 
 
 def block_memo(tag: Any, obj: Any, compute: Callable[[], Any]) -> Any:

@@ -299,6 +299,35 @@ def test_a_scope_pins_the_compiled_graph_and_the_next_scope_checks_again():
             torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
 
 
+def test_an_eager_block_keeps_the_pin_across_scopes_until_it_ends():
+    # sample_chain's eager engine holds an eager block around a chunk's steps (a warm-up's iterations,
+    # each a transition with a scope of its own): the pin is kept from one scope to the next there,
+    # so the guards run once a block; at the block's end it is dropped, and a rebound tensor is seen
+    from fnebm import _checks
+
+    P_now = {"P": P.clone()}
+
+    def energy_of_global(x):
+        return 0.5 * (x @ (P_now["P"] @ x))
+
+    ev = evaluation.evaluator(energy_of_global, 1, True)
+    xs = [fr.normal(fr.key(60 + i), (3, 2)) for i in range(3)]
+    ev(xs[0])  # the compile
+    with _checks.eager_block():
+        for x in xs:
+            with ev.scope():
+                torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
+            pin = ev.ev.pin
+            assert pin is not None
+            assert x is xs[0] or pin is first  # the same recorded graph: no new trip through the guards
+            first = pin
+    assert ev.ev.pin is None
+    P_now["P"] = 2.0 * P  # rebound between two blocks: seen by the next
+    with _checks.eager_block():
+        with ev.scope():
+            torch.testing.assert_close(ev(xs[0])[1], xs[0] @ P_now["P"])
+
+
 def test_the_traced_tier_is_pinned_too(monkeypatch):
     # "auto"'s middle tier (aot_eager) goes through torch.compile per call too: pinned the same way
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)

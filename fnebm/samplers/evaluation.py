@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterator
 
 from torch import Tensor
 
+from fnebm import _checks
 from fnebm.gradients import value_and_grad
 
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
@@ -124,14 +125,22 @@ class _Evaluation:
         regression (docs/performance.md). An energy's Python side effects outside its tensors (a
         call counter in a list, a print) run at each loop's first call only, as they run once when
         a graph is traced; its values are the graph's either way."""
-        if self.pin_armed or self.pin is not None:  # nested: the outer scope holds the pin
+        if self.pin_armed or self.pin is not None:  # nested, or kept by the eager block: the pin holds
             yield
             return
         self.pin_armed = True
         try:
             yield
         finally:
-            self.pin_armed, self.pin, self._pin_x, self._pin_out = False, None, None, None
+            self.pin_armed, self._pin_x, self._pin_out = False, None, None
+            # inside an eager block of steps (sample_chain's eager engine: a warm-up's iterations, whose
+            # transitions each hold a scope) no user code runs until the block ends, so the pin is kept
+            # until then: the guards are checked once a block, not once a transition
+            if self.pin is not None and not _checks.at_block_exit(self._unpin):
+                self.pin = None
+
+    def _unpin(self) -> None:
+        self.pin = None
 
     def _recording(self, compiled: Callable) -> Callable:
         """The graph ``compiled`` as Dynamo calls it; inside :meth:`pinned`, its first call is kept
