@@ -370,16 +370,17 @@ def test_an_eager_block_answers_an_energys_checks_once_and_only_inside_it(monkey
 
 
 def test_a_number_step_size_stays_a_host_scalar_beside_device_tensors():
-    # eagerly, per_chain keeps a 0-dim CPU tunable on the host for a device state (no copy to the
-    # device, which waits for it, at every step); per-chain values go to the device. "meta" stands in
-    # for a GPU here.
+    # eagerly, per_chain keeps a 0-dim CPU tunable on the host for a device state when the kernel asks
+    # (Langevin, MALA: elementwise use only; no copy to the device, which waits for it, at every
+    # step); per-chain values go to the device. "meta" stands in for a GPU here.
     from fnebm.samplers.base import per_chain
 
     x = torch.empty(4, 3, device="meta")
-    h = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), x)
+    h = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), x, host_scalar=True)
     assert h.device.type == "cpu" and h.dtype == torch.float32 and h.shape == ()
+    assert per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), x).device.type == "meta"  # not asked: moved
     assert (x - h * x).device.type == "meta"
-    per = per_chain("step_size", torch.full((4,), 0.1, dtype=F64), (4,), x)
+    per = per_chain("step_size", torch.full((4,), 0.1, dtype=F64), (4,), x, host_scalar=True)
     assert per.device.type == "meta" and per.shape == (4, 1)
-    cpu = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), torch.zeros(4, 3))
+    cpu = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), torch.zeros(4, 3), host_scalar=True)
     assert cpu.dtype == torch.float32 and cpu.shape == (1,) * 2 and cpu.item() == torch.tensor(0.1).item()

@@ -300,13 +300,16 @@ def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:
     return batch
 
 
-def per_chain(name: str, value: Tensor, batch: tuple[int, ...], like: Tensor) -> Tensor:
-    """A tunable reshaped to broadcast against ``like: (*batch, ...)``, in ``like``'s dtype and device."""
+def per_chain(name: str, value: Tensor, batch: tuple[int, ...], like: Tensor, host_scalar: bool = False) -> Tensor:
+    """A tunable reshaped to broadcast against ``like: (*batch, ...)``, in ``like``'s dtype and device.
+
+    ``host_scalar``: for a kernel that uses the tunable only in elementwise arithmetic with device
+    tensors (Langevin, MALA), a 0-dim CPU tensor stays a 0-dim CPU tensor eagerly (``like``'s dtype):
+    torch's operators take it beside device tensors as a scalar, where a copy to the device would
+    wait for the device at every step (a pageable host-to-device copy; two a Langevin step)."""
     _checks.check_tunable_shape(name, value, batch)
-    if value.ndim == 0 and value.device.type == "cpu" and like.device.type != "cpu" and _checks.is_concrete(value):
-        # eagerly, a 0-dim CPU tensor (a step size given as a number) stays on the host: torch's
-        # operators take it beside device tensors as a scalar, where a copy to the device would
-        # wait for the device at every step (a pageable host-to-device copy)
+    if (host_scalar and value.ndim == 0 and value.device.type == "cpu" and like.device.type != "cpu"
+            and _checks.is_concrete(value)):
         return value.to(dtype=like.dtype)
     value = value.to(dtype=like.dtype, device=like.device)
     return value.reshape(tuple(value.shape) + (1,) * (like.ndim - value.ndim))

@@ -70,8 +70,8 @@ def build_kernel() -> Callable[..., tuple[LangevinState, LangevinInfo]]:
                noise_scale: Tensor):
         batch = chain_axes(state.energy, key)
         x = state.position
-        h = per_chain("step_size", step_size, batch, x)
-        sigma = per_chain("noise_scale", noise_scale, batch, x)
+        h = per_chain("step_size", step_size, batch, x, host_scalar=True)
+        sigma = per_chain("noise_scale", noise_scale, batch, x, host_scalar=True)
         proposal = euler_maruyama(x, state.grad, h, fr.normal(key, x.shape[len(batch):], x.dtype), sigma)
         energy, grad = value_and_grad(energy_fn, len(batch))(proposal)
         finite = all_finite(energy, grad, proposal, n_batch=len(batch))

@@ -94,7 +94,7 @@ def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
     def kernel(state: MALAState, key: Tensor, energy_fn: Callable[[Tensor], Tensor], step_size: Tensor):
         batch = chain_axes(state.energy, key)
         x, energy, grad = state
-        h = per_chain("step_size", step_size, batch, x)
+        h = per_chain("step_size", step_size, batch, x, host_scalar=True)
         keys = fr.split(key)
         proposal = euler_maruyama(x, grad, h, fr.normal(keys[..., 0, :], x.shape[len(batch):], x.dtype))
         new_energy, new_grad = value_and_grad(energy_fn, len(batch))(proposal)
