@@ -9,6 +9,7 @@ is terminated, not waited for), and a run past the deadline is killed and fails.
 import datetime
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -89,9 +90,24 @@ def _entry(rank, fn, store, nprocs, args):
 
 
 def _spawn(fn, tmp_path, *args, nprocs=2, deadline=DEADLINE):
-    """Run ``fn(rank, *args)`` in ``nprocs`` gloo processes; re-raise a rank's error at once."""
+    """Run ``fn(rank, *args)`` in ``nprocs`` gloo processes; re-raise a rank's error at once.
+
+    A rank killed by SIGABRT ("terminate called without an active exception", from torch's native
+    threads; seen twice in about fifteen full-suite runs, never when the file ran alone, and not
+    reproduced) is run again once, in fresh processes on a fresh store; a Python error in a rank,
+    a wrong result or a second crash fails the test."""
+    for attempt in range(2):
+        try:
+            return _spawn_once(fn, tmp_path / f"store{attempt}", args, nprocs, deadline)
+        except mp.ProcessExitedException as exc:
+            if attempt or exc.signal_name != "SIGABRT":
+                raise
+            warnings.warn(f"a rank was killed by {exc.signal_name}; running the {nprocs} processes again")
+
+
+def _spawn_once(fn, store, args, nprocs, deadline):
     ctx = mp.start_processes(
-        _entry, args=(fn, str(tmp_path / "store"), nprocs, args), nprocs=nprocs, join=False, start_method="spawn"
+        _entry, args=(fn, str(store), nprocs, args), nprocs=nprocs, join=False, start_method="spawn"
     )
     end = time.monotonic() + deadline
     while not ctx.join(timeout=1):  # raises as soon as a rank fails, after terminating the others
@@ -198,3 +214,26 @@ def test_a_failing_rank_fails_the_test_fast(tmp_path):
         _spawn(_failing_worker, tmp_path, deadline=120)
     # no timed assertion (a loaded machine stretches any figure): _spawn's deadline bounds the wait,
     # and the match above shows the failure itself was reported, not a timeout
+
+
+def _abort_once(rank, marker):
+    if rank == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()  # SIGABRT, as the native-thread crash _spawn runs again for
+
+
+def _abort_always(rank):
+    if rank == 0:
+        os.abort()
+
+
+def test_a_rank_killed_by_sigabrt_is_run_again_once(tmp_path):
+    marker = str(tmp_path / "aborted")
+    with pytest.warns(UserWarning, match="SIGABRT"):
+        _spawn(_abort_once, tmp_path, marker, deadline=60)
+    assert os.path.exists(marker)
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):  # twice: the test fails
+        with pytest.warns(UserWarning, match="SIGABRT"):
+            _spawn(_abort_always, again, deadline=60)
