@@ -261,12 +261,14 @@ def _skinny_mm_pass(graph: torch.fx.Graph) -> None:
         graph.erase_node(node)
 
 
+_SKINNY = None  # the pass object, made on first use (it imports Inductor)
+
+
 def _skinny_pass():
     """:func:`_skinny_mm_pass` as Inductor's custom post-grad pass, with a ``uuid`` (its source), so that
     Inductor's on-disk graph cache keeps serving compiles that carry it."""
     global _SKINNY
     if _SKINNY is None:
-        import hashlib
         import inspect
 
         from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -282,9 +284,6 @@ def _skinny_pass():
 
         _SKINNY = SkinnyMM()
     return _SKINNY
-
-
-_SKINNY = None
 
 
 def inductor_backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
