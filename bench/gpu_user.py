@@ -1,6 +1,7 @@
 """The energies users write, on a GPU: neural short-run Langevin, fnebm against a plain PyTorch loop and TorchEBM.
 
-    python bench/gpu_user.py [--only mlp784,mlp2d,conv28,mlp784x4096] [--warm N] [--timeout S] [--json PATH]
+    python bench/gpu_user.py [--only mlp784,mlp2d,conv28,mlp784x4096] [--rows ROWS] [--warm N] [--timeout S]
+                             [--json PATH]
 
 Issue 26's GPU half. The workloads, networks, update and starting points are bench/user.py's (an
 MLP on 784-D inputs, 128 chains x 60 steps; a 2-D MLP, 10,000 chains x 200 steps; a small ConvNet
@@ -13,6 +14,8 @@ Rows (each workload in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR and
                    (a reference for what bf16 gives; fnebm's samplers have no bf16 option)
   TorchEBM         LangevinDynamics(model, step_size, noise_scale).sample(x, n_steps) (0.8.9)
   fnebm            sample_chain on its defaults (compile="auto", backend="auto"), keys on the GPU
+  fnebm one-by-one the same with the CUDA-graph replay of eager steps switched off
+                   (fnebm.chain.engines._CUDA_GRAPHS = False): each eager step launched op by op
   fnebm compiled   sample_chain(compile=True) (a RunnerCache of its own: the default row never runs its graph)
   fnebm cudagraphs sample_chain(compile=True, cache=RunnerCache(backend=Inductor with
                    triton.cudagraphs=True)) -- mlp784 only (a probe: whether Inductor's CUDA graphs
@@ -60,15 +63,25 @@ def _net_and_start(workload: str, device: str):
     return net, x0.to(device)
 
 
-def make_fnebm(net, x0, steps, compile, cache=None):
+def make_fnebm(net, x0, steps, compile, cache=None, graphs=True):
     import torch
 
     import fnebm
     from fnebm import energies
+    from fnebm.chain import engines
 
     plans = []
 
     def run():
+        if not graphs:
+            engines._CUDA_GRAPHS = False
+            try:
+                return body()
+            finally:
+                engines._CUDA_GRAPHS = True
+        return body()
+
+    def body():
         alg = fnebm.langevin(energies.bind(*energies.from_module(net)), H, S)
         state = torch.func.vmap(alg.init)(x0)
         kw = {} if compile is None else {"compile": compile}
@@ -110,7 +123,7 @@ def _cache(cudagraphs: bool = False):
     return RunnerCache(backend=functools.partial(compile_fx, config_patches={"triton.cudagraphs": True}))
 
 
-def worker(workload: str, warm_rounds: int, device: str) -> dict:
+def worker(workload: str, warm_rounds: int, device: str, only_rows: str = "") -> dict:
     t0 = time.perf_counter()
     import fnebm  # noqa: F401
     import torch
@@ -122,6 +135,7 @@ def worker(workload: str, warm_rounds: int, device: str) -> dict:
         "plain": user.make_plain(net, x0, steps),
         "plain bf16": make_plain_bf16(net, x0, steps),
         "fnebm": make_fnebm(net, x0, steps, None),
+        "fnebm one-by-one": make_fnebm(net, x0, steps, None, graphs=False),
         "fnebm compiled": make_fnebm(net, x0, steps, True, cache=_cache()),
     }
     try:
@@ -130,6 +144,9 @@ def worker(workload: str, warm_rounds: int, device: str) -> dict:
         print(f"TorchEBM not run: {exc}", file=sys.stderr)
     if workload == "mlp784":
         rows["fnebm cudagraphs"] = make_fnebm(net, x0, steps, True, cache=_cache(cudagraphs=True))
+    if only_rows:
+        keep = set(only_rows.split(","))
+        rows = {n: r for n, r in rows.items() if n in keep}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {"workload": workload, "chains": WORKLOADS[workload][1], "steps": steps, "import_s": import_s,
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
@@ -160,6 +177,8 @@ def worker(workload: str, warm_rounds: int, device: str) -> dict:
     if "fnebm" in res and "fnebm compiled" in res:
         a, b = res["fnebm"].float(), res["fnebm compiled"].float()
         out["fnebm_vs_compiled_max_abs_diff"] = float((a - b).abs().max())
+    if "fnebm" in res and "fnebm one-by-one" in res:
+        out["fnebm_graphed_equals_one_by_one"] = bool(torch.equal(res["fnebm"], res["fnebm one-by-one"]))
     out["plans"] = {n: r.plans for n, r in rows.items() if hasattr(r, "plans")}
     return out
 
@@ -181,12 +200,13 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per workload's process")
     ap.add_argument("--json", default=os.path.join(HERE, "results-gpu-user.json"))
+    ap.add_argument("--rows", default="", help="comma-separated rows to run (default: all; 'plain' is always run)")
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test of this script)")
     ap.add_argument("--worker", default=None)
     args = ap.parse_args()
     if args.worker:
         workload, device = args.worker.split(":")
-        print("@@RESULT " + json.dumps(worker(workload, args.warm, device)), flush=True)
+        print("@@RESULT " + json.dumps(worker(workload, args.warm, device, args.rows)), flush=True)
         return
     import torch
 
@@ -203,7 +223,8 @@ def main() -> None:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    FNEBM_CACHE_DIR=os.path.join(cache, "fnebm"),
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{workload}:{device}", "--warm", str(args.warm)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{workload}:{device}", "--warm", str(args.warm)] + (
+            ["--rows", ",".join(["plain"] + [r for r in args.rows.split(",") if r != "plain"])] if args.rows else [])
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=tempfile.gettempdir())
@@ -230,6 +251,7 @@ def main() -> None:
             print(f"  {name}: FAILED {err}")
         print(f"  plans: {json.dumps(res['plans'])}")
         print(f"  fnebm vs compiled, final positions max |diff|: {res.get('fnebm_vs_compiled_max_abs_diff')}")
+        print(f"  fnebm (graph replays) equals one-by-one bit for bit: {res.get('fnebm_graphed_equals_one_by_one')}")
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -384,3 +384,16 @@ def test_a_number_step_size_stays_a_host_scalar_beside_device_tensors():
     assert per.device.type == "meta" and per.shape == (4, 1)
     cpu = per_chain("step_size", torch.tensor(0.1, dtype=F64), (4,), torch.zeros(4, 3), host_scalar=True)
     assert cpu.dtype == torch.float32 and cpu.shape == (1,) * 2 and cpu.item() == torch.tensor(0.1).item()
+
+
+def test_mala_takes_its_host_scalar_step_size_beside_device_tensors():
+    # MALA's kernel passes the 0-dim host step size on to log_acceptance_ratio, which once reshaped it
+    # to (1, 1): a CPU tensor that is no longer a scalar, refused beside a GPU state
+    from fnebm.samplers.mala import log_acceptance_ratio
+
+    x, e = torch.empty(4, 3, device="meta"), torch.empty(4, device="meta")
+    assert log_acceptance_ratio(x, e, x, x, e, x, torch.tensor(0.1)).shape == (4,)
+    xs, es = _xs(4, 3), _xs(4, seed=2)
+    got = log_acceptance_ratio(xs, es, xs.cos(), xs.sin(), es.exp(), xs, torch.tensor(0.1, dtype=F64))
+    want = log_acceptance_ratio(xs, es, xs.cos(), xs.sin(), es.exp(), xs, torch.full((4,), 0.1, dtype=F64))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

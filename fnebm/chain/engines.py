@@ -12,9 +12,10 @@ Which engine runs is decided by :func:`fnebm.kernels.dispatch.choose`, from one 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,6 +26,7 @@ from fnebm import random as fr
 from fnebm.chain.runner import RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
 from fnebm.kernels import dispatch
+from fnebm.samplers.base import step_fields
 
 __all__ = ["TorchEngine", "KernelEngine", "sync"]
 
@@ -60,6 +62,111 @@ def _chains_last(state: Any) -> Any:
     )
 
 
+# On a CUDA device, a chunk of at least this many eager steps runs as replays of one step captured as
+# a CUDA graph (TorchEngine._graphed): the capture costs about two eager steps' host time.
+_GRAPH_MIN_STEPS = 8
+_CUDA_GRAPHS = True  # False: eager steps on a GPU run one by one (A/B, tests)
+
+
+def _graphable(device: torch.device, steps: int) -> bool:
+    return _CUDA_GRAPHS and device.type == "cuda" and steps >= _GRAPH_MIN_STEPS
+
+
+class _GraphFailed(NamedTuple):
+    """Why an eager step was not captured (one line), and the warm-up step's ``(state, info)``."""
+
+    reason: str
+    ran: Any
+
+
+def _capture(fn: Callable[[], None], stream: Any) -> Any:
+    """``fn``'s CUDA work captured on ``stream`` as a ``torch.cuda.CUDAGraph`` (raises what ``fn`` or
+    the capture raised). ``torch.cuda.graph`` would also empty the allocator's cache at every capture.
+    "thread_local": a background compile's thread may allocate meanwhile."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            fn()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture is invalid: end it, keep fn's error
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    return graph
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device):
+    """A fresh stream of ``device``, current inside (after the current stream's work), waited for after."""
+    main, stream = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    stream.wait_stream(main)
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        main.wait_stream(stream)
+
+
+def _tunables_on(step: Callable, device: torch.device) -> Callable:
+    """``step`` with its tensor tunables held on ``device`` (a sampler's :class:`Step`; any other step
+    as it is): a kernel that copies a CPU step size to the device at every step would wait for the
+    host inside the captured step, which a capture refuses."""
+    fields = step_fields(step)
+    if fields is None:
+        return step
+    moved = {k: v.to(device) for k, v in fields.tunables.items() if isinstance(v, Tensor) and v.device != device}
+    return fields.replace(**moved) if moved else step
+
+
+class _Graphed:
+    """One eager step captured as a CUDA graph that advances its own buffers: ``state`` and ``info``
+    (the last step's), and ``t``, the index of the step the next replay takes (its key is
+    ``fold_in(keys, t)``, as :meth:`TorchEngine._one_by_one`'s)."""
+
+    def __init__(self, step: Callable, keys: Tensor, state: Any, info: Any, t: Tensor):
+        self.step, self.keys, self.state, self.info, self.t = step, keys, state, info, t
+        self._leaves = pytree.tree_leaves((state, info))
+        self.graph = None
+
+    def _advance(self) -> None:
+        new, info = self.step(self.state, fr.fold_in(self.keys, self.t))
+        for dst, src in zip(self._leaves, pytree.tree_leaves((new, info)), strict=True):
+            dst.copy_(src)
+        self.t.add_(1)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def load(self, state: Any, t: Tensor) -> None:
+        """The next replay takes step ``t`` from ``state`` (a chunk after another engine's, or a revised plan's)."""
+        if state is not self.state:
+            for dst, src in zip(pytree.tree_leaves(self.state), pytree.tree_leaves(state), strict=True):
+                dst.copy_(src)
+        self.t.copy_(t)
+
+    @classmethod
+    def make(cls, step: Callable, keys: Tensor, state: Any, t: Tensor) -> tuple[_Graphed | None, _GraphFailed | None]:
+        """Step ``t`` run eagerly on a side stream (the warm-up a capture needs: the draws' kernels
+        built, the BLAS workspace of that stream allocated), then the next step captured there.
+        ``(graphed, None)`` with the warm-up step's result in its buffers, or ``(None, why)``."""
+        step = _tunables_on(step, keys.device)
+        with _side_stream(keys.device) as stream:
+            t = t.to(torch.int64).clone()
+            ran = step(state, fr.fold_in(keys, t))
+            leaves = pytree.tree_leaves(ran)
+            if not all(isinstance(x, Tensor) and x.device == keys.device for x in leaves):
+                return None, _GraphFailed("a step's output is not all tensors on the chain's device", ran)
+            if any(x.requires_grad for x in leaves) or not _checks.is_concrete(*leaves):
+                return None, _GraphFailed("a step's output is tracked by autograd or a torch.func transform", ran)
+            g = cls(step, keys, *pytree.tree_map(torch.clone, ran), t + 1)
+            try:
+                g.graph = _capture(g._advance, stream)
+            except Exception as exc:  # noqa: BLE001 - the step read a value on the host, say: eager steps
+                return None, _GraphFailed(describe_failure(exc), ran)
+            return g, None
+
+
 class TorchEngine:
     """The sampler's step, compiled (``run``, the compiled runner) or eager (:meth:`_eager`) as
     ``plan`` says; kept draws copied into the buffers.
@@ -86,6 +193,8 @@ class TorchEngine:
         self.state = _chains_last(chain.state) if n_chain_axes == 1 else chain.state
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
+        self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
+        self.graph_failed: _GraphFailed | None = None  # why it could not be, in this call
 
     def first_size(self, chunk_size: int) -> int:
         per = self.ledger.step_s()
@@ -170,7 +279,46 @@ class TorchEngine:
                 self.first = None  # step 0 ran again in the block (the probe's copy is not needed)
                 return ran
         first, self.first = self.first, None
+        if _graphable(self.device, ts.shape[0] - (first is not None)) and not self.graph_failed:
+            return self._graphed(ts, kept, first)
         return self._one_by_one(self.state, ts, 0, kept, [], first)
+
+    def _graphed(self, ts: Tensor, kept: Kept | None, first: Any) -> tuple[Any, Any, Any]:
+        """The chunk's steps on a CUDA device, one step captured as a CUDA graph and replayed: the same
+        kernels as :meth:`_one_by_one`'s steps in the same order (the same draws), one launch a step.
+
+        An eager step is host-bound on a GPU (a 784-D MLP's Langevin step: ~48 launches and 2.5 ms of
+        host time for 0.1 ms of device time). The graph is captured once per engine (per call) after a
+        step run eagerly on the capture stream, kept across chunks. It is not used, and the steps run
+        as :meth:`_one_by_one` runs them, where a step's output is tracked by autograd (a gradient
+        through the chain) or the capture fails (the energy reads a value on the host, say): the
+        failure is remembered for this call and its reason kept in ``graph_failed``."""
+        state, outs, a, n = self.state, [], 0, ts.shape[0]
+        if first is not None:  # step 0 ran in the probe
+            state, info = first
+            if self._keeps(kept, 0):
+                outs.append((pytree.tree_map(torch.clone, self.collect(state)), info))
+            a = 1
+        with _checks.eager_block():
+            g = self.graph
+            if g is None:
+                g, failed = _Graphed.make(self.step, self.keys, state, ts[a])
+                if g is None:  # the warm-up step ran (and is kept) but the capture was not made
+                    self.graph_failed = failed
+                    return self._one_by_one(state, ts, a, kept, outs, failed.ran)
+                self.graph = g
+                if self._keeps(kept, a):
+                    outs.append((pytree.tree_map(torch.clone, self.collect(g.state)), pytree.tree_map(torch.clone, g.info)))
+                a += 1
+            else:
+                g.load(state, ts[a])
+            for i in range(a, n):
+                g.replay()
+                if self._keeps(kept, i):
+                    outs.append((pytree.tree_map(torch.clone, self.collect(g.state)), pytree.tree_map(torch.clone, g.info)))
+        # the engine's state is the graph's own buffers between chunks (the next chunk replays on them);
+        # the call's final state is copied out of them (finish)
+        return _stacked(g.state, outs)
 
     def _one_by_one(self, state: Any, ts: Tensor, a: int, kept: Kept | None, outs: list,
                     first: Any = None) -> tuple[Any, Any, Any]:
@@ -217,7 +365,8 @@ class TorchEngine:
         return _stacked(state, outs)
 
     def finish(self) -> tuple[Any, Any, Any]:
-        final = pytree.tree_map(lambda x: x.contiguous(), self.state)
+        graphed = self.graph is not None and self.state is self.graph.state
+        final = pytree.tree_map(torch.clone if graphed else (lambda x: x.contiguous()), self.state)
         trace, info = pytree.tree_unflatten(self.bufs, pytree.tree_structure(self.expected))
         return final, trace, info
 

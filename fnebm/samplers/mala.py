@@ -74,10 +74,12 @@ def log_acceptance_ratio(
     a number, 0-dim, or ``chains``-shaped (aligned with the leading chain axes). Returns ``chains``.
     """
     n_batch = energy.ndim
-    h_event = step_size if not isinstance(step_size, Tensor) else step_size.reshape(
-        step_size.shape + (1,) * (x.ndim - step_size.ndim))
-    h_chain = step_size if not isinstance(step_size, Tensor) else step_size.reshape(
-        step_size.shape + (1,) * (n_batch - step_size.ndim))
+    if not isinstance(step_size, Tensor) or step_size.ndim == 0:
+        # a 0-dim step size broadcasts as it is (and a CPU one beside device tensors stays a host scalar)
+        h_event = h_chain = step_size
+    else:
+        h_event = step_size.reshape(step_size.shape + (1,) * (x.ndim - step_size.ndim))
+        h_chain = step_size.reshape(step_size.shape + (1,) * (n_batch - step_size.ndim))
     forward = proposal - x + h_event * grad
     backward = x - proposal + h_event * new_grad
     return energy - new_energy + event_sum(forward * forward - backward * backward, n_batch) / (4.0 * h_chain)
