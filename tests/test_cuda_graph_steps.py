@@ -147,10 +147,13 @@ def test_a_gradient_through_the_chain_is_not_captured(fake_cuda):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch):
+@pytest.mark.parametrize("sampler", ["langevin", "mala", "hmc"])
+def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch, sampler):
     torch.manual_seed(0)  # the test's weights
     net = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 1)).cuda()
-    alg = fnebm.langevin(E.bind(*E.from_module(net)), 0.01, 0.05)
+    energy = E.bind(*E.from_module(net))
+    alg = {"langevin": lambda: fnebm.langevin(energy, 0.01, 0.05), "mala": lambda: fnebm.mala(energy, 0.01),
+           "hmc": lambda: fnebm.hmc(energy, 0.02, torch.ones(32, device="cuda"), 3)}[sampler]()
     x0 = fr.normal(fr.key(3, device="cuda"), (64, 32))
 
     def run():
@@ -160,3 +163,21 @@ def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch):
     graphed = run()
     monkeypatch.setattr(engines, "_CUDA_GRAPHS", False)
     _assert_same(graphed, run())
+
+
+def test_a_kernels_host_scalars_stay_on_the_host_and_other_tunables_move_to_the_device():
+    # "meta" stands in for the GPU: HMC's CPU step size would be copied to the device at every step
+    # (refused inside a capture), so the captured step holds it there; Langevin's and MALA's 0-dim
+    # step sizes are host scalars in their kernels' arithmetic and stay (the same bits as one by one)
+    net = _net()
+    neural = E.bind(*E.from_module(net))
+    meta = torch.device("meta")
+    hmc = engines._tunables_on(fnebm.hmc(neural, 0.1, torch.ones(5, dtype=F64), 3).step, meta)
+    assert hmc.tunables["step_size"].device == meta and hmc.tunables["inverse_mass_matrix"].device == meta
+    for alg in (fnebm.langevin(neural, 0.05, 0.5), fnebm.mala(neural, 0.05)):
+        assert alg.step.host_scalars
+        assert engines._tunables_on(alg.step, meta) is alg.step
+    per = fnebm.mala(neural, torch.full((4,), 0.05, dtype=F64)).step  # one per chain: moved
+    assert engines._tunables_on(per, meta).tunables["step_size"].device == meta
+    opaque = lambda state, key: alg.step(state, key)  # noqa: E731 - a user's wrapper: left as it is
+    assert engines._tunables_on(opaque, meta) is opaque

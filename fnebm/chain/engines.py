@@ -111,11 +111,13 @@ def _side_stream(device: torch.device):
 def _tunables_on(step: Callable, device: torch.device) -> Callable:
     """``step`` with its tensor tunables held on ``device`` (a sampler's :class:`Step`; any other step
     as it is): a kernel that copies a CPU step size to the device at every step would wait for the
-    host inside the captured step, which a capture refuses."""
+    host inside the captured step, which a capture refuses. A kernel's host scalars stay (see
+    :meth:`fnebm.samplers.base.Step.of`): a capture takes them as the constants they are."""
     fields = step_fields(step)
     if fields is None:
         return step
-    moved = {k: v.to(device) for k, v in fields.tunables.items() if isinstance(v, Tensor) and v.device != device}
+    moved = {k: v.to(device) for k, v in fields.tunables.items() if isinstance(v, Tensor) and v.device != device
+             and not (fields.host_scalars and v.ndim == 0 and v.device.type == "cpu")}  # those stay host scalars
     return fields.replace(**moved) if moved else step
 
 

@@ -81,23 +81,32 @@ class Step(functools.partial):
 
     @classmethod
     def of(cls, sampler: str, kernel: Callable, *args: Any, state_type: type, info_type: type,
-           tunables: tuple[str, ...], caches_energy: bool = False, **keywords: Any) -> "Step":
+           tunables: tuple[str, ...], caches_energy: bool = False, host_scalars: bool = False,
+           **keywords: Any) -> "Step":
         """``kernel(state, key, *args, **keywords)`` as the step of ``sampler``; ``tunables`` names
         the keywords that are tensor tunables (the rest, other than ``energy_fn``, are options).
         ``caches_energy``: the state's ``energy`` field is exactly ``energy_fn(position)`` as
-        ``init`` computed it (the CD loss then reuses it as the positives' energies)."""
+        ``init`` computed it (the CD loss then reuses it as the positives' energies).
+        ``host_scalars``: the kernel takes its tunables through ``per_chain(..., host_scalar=True)``
+        (a 0-dim CPU tunable is used as a host scalar beside device tensors, and must stay one: the
+        arithmetic differs in the last bit once it is a device tensor)."""
         if torch.compiler.is_compiling():
             # built inside a user's compiled function (Dynamo constructs partials, not subclasses):
             # there the step is only called, never dispatched on
             return functools.partial(kernel, *args, **keywords)
         step = cls(kernel, *args, **keywords)
         step.__dict__.update(sampler=sampler, state_type=state_type, info_type=info_type,
-                             tunable_names=tuple(tunables), caches_energy=bool(caches_energy))
+                             tunable_names=tuple(tunables), caches_energy=bool(caches_energy),
+                             host_scalars=bool(host_scalars))
         return step
 
     @property
     def caches_energy(self) -> bool:
         return self.__dict__.get("caches_energy", False)
+
+    @property
+    def host_scalars(self) -> bool:
+        return self.__dict__.get("host_scalars", False)
 
     @property
     def energy_fn(self) -> Any:

@@ -100,6 +100,6 @@ def langevin(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor,
     return SamplingAlgorithm(
         functools.partial(init, energy_fn=energy_fn),
         Step.of("langevin", _kernel, caches_energy=True, state_type=LangevinState, info_type=LangevinInfo,
-                tunables=("step_size", "noise_scale"), energy_fn=energy_fn, step_size=step_size,
+                host_scalars=True, tunables=("step_size", "noise_scale"), energy_fn=energy_fn, step_size=step_size,
                 noise_scale=noise_scale),
     )

@@ -125,6 +125,6 @@ def mala(energy_fn: Callable[[Tensor], Tensor], step_size: float | Tensor) -> Sa
     step_size = _checks.tunable("step_size", step_size)
     return SamplingAlgorithm(
         functools.partial(init, energy_fn=energy_fn),
-        Step.of("mala", _kernel, caches_energy=True, state_type=MALAState, info_type=MALAInfo, tunables=("step_size",),
-                energy_fn=energy_fn, step_size=step_size),
+        Step.of("mala", _kernel, caches_energy=True, state_type=MALAState, info_type=MALAInfo, host_scalars=True,
+                tunables=("step_size",), energy_fn=energy_fn, step_size=step_size),
     )
