@@ -5,7 +5,8 @@ imports only torch); :mod:`fnebm.kernels._cbuild` is another name for this modul
 A :class:`CLibrary` is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
 this machine's CPU, its objects in parallel, into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm``
 (falling back to a per-user temporary folder) under a name that hashes the sources, the flags,
-the compiler, the CPU and torch's version; later processes load it from there. The build is
+the compiler (its ``--version``, remembered there too: :func:`compiler_version`), the CPU and
+torch's version; later processes load it from there. The build is
 atomic (compiled beside the target, then renamed) and holds a file lock, so concurrent processes
 build once. Where no compiler works, :meth:`CLibrary.available` says why and callers fall back.
 
@@ -61,6 +62,72 @@ def compiler() -> list[str] | None:
     words = shlex.split(os.environ.get("CC") or "cc")
     found = shutil.which(words[0]) if words else None
     return [found, *words[1:]] if found else None
+
+
+_VERSIONS: dict[tuple[str, ...], str] = {}  # this process's answers of compiler_version
+_VERSION_END = "\n#fnebm-version-end\n"  # a memo file without it was cut short: not used
+
+
+def _compiler_identity(cc: list[str]) -> str | None:
+    """The command's words with, for each that names an executable, its real path, size, modification
+    time and inode: what changes when the compiler is replaced or upgraded. ``None`` if one cannot be read."""
+    parts = []
+    for word in cc:
+        found = word if os.path.isabs(word) else (None if word.startswith("-") else shutil.which(word))
+        parts.append(word)
+        if found:
+            try:
+                real = os.path.realpath(found)
+                st = os.stat(real)
+            except OSError:
+                return None
+            parts.append(f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    return "\0".join(parts)
+
+
+def compiler_version(cc: list[str]) -> str:
+    """``cc --version``'s output, which enters the libraries' cache names. Running the compiler costs
+    about 20 ms in every process that loads a library, so the answer is kept on disk beside the
+    libraries under a hash of :func:`_compiler_identity` (a replaced compiler is asked again)."""
+    key = tuple(cc)
+    if key in _VERSIONS:
+        return _VERSIONS[key]
+    ident = _compiler_identity(cc)
+    memo = f"cc-{hashlib.sha256(ident.encode()).hexdigest()[:20]}.version" if ident is not None else None
+    version = None
+    if memo is not None:
+        for folder in cache_dirs():
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                text = (folder / memo).read_text()
+                if text.endswith(_VERSION_END):
+                    version = text[: -len(_VERSION_END)]
+                    break
+    if version is None:
+        try:
+            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
+        if memo is not None:
+            _write_memo(memo, version + _VERSION_END)
+    _VERSIONS[key] = version
+    return version
+
+
+def _write_memo(name: str, text: str) -> None:
+    """``text`` into ``name`` in the first usable cache folder, atomically; nothing on failure."""
+    for folder in cache_dirs():
+        if not _usable(folder):
+            continue
+        with contextlib.suppress(OSError):
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, folder / name)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        return
 
 
 def _cpu_id() -> str:
@@ -214,10 +281,7 @@ class CLibrary:
 
     def name(self, cc: list[str]) -> str:
         """The file name: a hash of the sources, the flags, the compiler, the CPU and torch."""
-        try:
-            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise RuntimeError(f"the C compiler {cc} does not run: {exc}") from None
+        version = compiler_version(cc)
         try:
             parts = [f.read_bytes() for f in self.files]
         except OSError as exc:  # e.g. a package that did not ship one of them

@@ -323,7 +323,9 @@ def test_the_library_is_built_once_and_then_loaded(tmp_path):
     env = dict(os.environ, FNEBM_CACHE_DIR=str(tmp_path))
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    built = sorted(p for p in tmp_path.iterdir() if p.suffix != ".lock")  # the build's lock file stays
+    # the build's lock file stays, and the compiler's --version answer (compiler_version)
+    assert len(list(tmp_path.glob("cc-*.version"))) == 1
+    built = sorted(p for p in tmp_path.iterdir() if p.suffix not in (".lock", ".version"))
     # the library and its checksum record; no temporary file left behind
     assert [p.suffix for p in built] == [".so", ".sha256"] and built[1].name == built[0].name + ".sha256"
     stamp = built[0].stat().st_mtime_ns

@@ -220,3 +220,37 @@ def test_the_summary_says_why_a_c_kernel_did_not_run(tmp_path, sampler, note):
     assert done.returncode == 0, done.stderr
     (path,) = [line for line in done.stdout.splitlines() if line.startswith("path ")]
     assert note in path, path
+
+
+def test_the_compilers_version_is_asked_once_and_again_when_the_compiler_changes(tmp_path, monkeypatch):
+    # `cc --version` enters the cache names; its answer is kept beside the libraries (running the
+    # compiler cost ~20 ms in every process), keyed by the executable's path, size, time and inode
+    fake = tmp_path / "bin" / "fakecc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho fakecc 1.0\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(_cbuild, "cache_dirs", lambda: [tmp_path / "cache"])
+    runs = []
+    real_run = subprocess.run
+
+    def counting(cmd, *a, **kw):
+        runs.append(cmd)
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(_cbuild.subprocess, "run", counting)
+    cc = [str(fake), "-m64"]
+    monkeypatch.setattr(_cbuild, "_VERSIONS", {})
+    assert _cbuild.compiler_version(cc) == "fakecc 1.0\n" and len(runs) == 1
+    monkeypatch.setattr(_cbuild, "_VERSIONS", {})  # a new process: read from the cache folder
+    assert _cbuild.compiler_version(cc) == "fakecc 1.0\n" and len(runs) == 1
+    assert _cbuild.compiler_version([str(fake)]) == "fakecc 1.0\n" and len(runs) == 2  # another command
+
+    fake.write_text("#!/bin/sh\necho fakecc 2.0 upgraded\n")  # replaced: size and time change
+    monkeypatch.setattr(_cbuild, "_VERSIONS", {})
+    assert _cbuild.compiler_version(cc) == "fakecc 2.0 upgraded\n" and len(runs) == 3
+
+    for memo in (tmp_path / "cache").glob("cc-*.version"):  # a memo cut short is not used
+        memo.write_text(memo.read_text()[:5])
+    monkeypatch.setattr(_cbuild, "_VERSIONS", {})
+    assert _cbuild.compiler_version(cc) == "fakecc 2.0 upgraded\n" and len(runs) == 4
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
