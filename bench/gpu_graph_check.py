@@ -1,7 +1,7 @@
 """Eager steps replayed from a CUDA graph, checked on a GPU (issue 26): the same draws as one-by-one
 eager steps, a capture the energy refuses, and the time per step.
 
-    python bench/gpu_graph_check.py
+    python bench/gpu_graph_check.py [--torch-draws]
 
 For Langevin, MALA and HMC on a neural energy (and MALA on a function), runs sample_chain(compile=False)
 with fnebm.chain.engines._CUDA_GRAPHS on and off and compares every output bit for bit; then an
@@ -32,6 +32,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("gpu_graph_check.py: no CUDA device", file=sys.stderr)
         sys.exit(2)
+    if "--torch-draws" in sys.argv[1:]:  # keys and draws by torch operations instead of Triton's kernels
+        fnebm.random._TRITON_EAGER_DEVICES = ()
+        fnebm.random._TRITON_DRAWS = False
+        print("keys and draws by torch operations (no Triton)")
     dev = "cuda"
     torch.manual_seed(0)  # the check's weights
     net = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 1)).to(dev)
