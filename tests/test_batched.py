@@ -38,6 +38,36 @@ def test_sampling_a_network_eagerly_loads_no_compiler_stack():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_choosing_an_engine_for_a_network_imports_no_kernel_module():
+    # backend="auto" turns the whole-chain kernels down for an energy outside their families before
+    # importing them: on a GPU, importing the Triton kernels registered torch operators that loaded
+    # Dynamo, sympy and FSDP in the first call (4.7 s on the lent H100). Here the Triton path is
+    # asked about CPU chains (its device check would answer first otherwise).
+    code = ("import fnebm, sys, torch; from fnebm import energies as E; from fnebm.kernels import dispatch\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
+            "alg = fnebm.langevin(E.bind(*E.from_module(net)), 0.1)\n"
+            "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
+            "keys = fnebm.random.split(fnebm.random.key(0), 4)\n"
+            "for path in dispatch.FAST_PATHS[:2]:\n"
+            "    path = path._replace(device='cpu')\n"
+            "    print(dispatch.why_not(path, dispatch.RunRequest(alg.step, state, keys, torch.zeros((), dtype=torch.int64),"
+            " 'position', False)))\n"
+            "print(sorted(m for m in ('fnebm.kernels.langevin_chain', *%r) if m in sys.modules))"
+            % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "[]", out.stdout + out.stderr
+    assert all("closed form" in line or "family" in line or "families" in line for line in lines[:2]), lines
+
+
+def test_the_fast_paths_name_engines_of_the_families_table():
+    from fnebm.kernels import dispatch, families
+
+    named = [p.families for p in dispatch.FAST_PATHS if p.families is not None]
+    assert named and all(f in families.ENGINES for f in named)
+
+
 def test_the_constant_mark_is_the_one_dynamo_sets():
     import torch._dynamo
 

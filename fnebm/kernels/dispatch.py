@@ -58,6 +58,9 @@ class FastPath(NamedTuple):
     (``"position"``, ``"position_and_energy"``). module: has ``covers(energy) -> reason | None``
     and ``available() -> reason | None``. max_dim: the module attribute bounding the event size,
     if any. info: the dtype kind of each field of the sampler's info a whole-chain kernel writes.
+    families: the engine's name in :mod:`fnebm.kernels.families`, when its energies are those: an
+    energy outside them is turned down before ``module`` is imported (importing the Triton kernels
+    registers torch operators that load ``torch._dynamo``, a second or more, for a run they never take).
     """
 
     engine: str
@@ -69,6 +72,7 @@ class FastPath(NamedTuple):
     module: str
     max_dim: str | None = None
     info: dict | None = None
+    families: str | None = None
 
 
 NAMES = {"c": "C", "triton": "Triton", "torch": "torch"}  # an engine's name in a sentence
@@ -77,9 +81,9 @@ _CHAIN_INFO = {"langevin": ("bool",), "mala": ("float", "bool", "bool")}
 
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("triton", "chain", ("langevin", "mala"), "cuda", (torch.float32,), ("position",),
-             "fnebm.kernels.langevin_chain", max_dim="MAX_DIM", info=_CHAIN_INFO),
+             "fnebm.kernels.langevin_chain", max_dim="MAX_DIM", info=_CHAIN_INFO, families="triton"),
     FastPath("c", "chain", ("langevin", "mala"), "cpu", (torch.float32,), ("position", "position_and_energy"),
-             "fnebm.kernels.cpu_chain", info=_CHAIN_INFO),
+             "fnebm.kernels.cpu_chain", info=_CHAIN_INFO, families="c_chain"),
     FastPath("c", "transition", ("nuts",), "cpu", (torch.float32,), (), "fnebm.kernels.cpu_nuts"),
 )
 
@@ -207,6 +211,12 @@ def why_not(path: FastPath, req: RunRequest) -> str | None:
         kept = " or ".join({"position": "the default (the position)",
                             "position_and_energy": "fnebm.chain.position_and_energy"}[c] for c in path.collects)
         return f"collect is not {kept}: the kernel writes those only"
+    if path.families is not None:
+        from fnebm.kernels import families  # the energies' table alone: no kernel module imported
+
+        reason = families.covers(step.energy_fn, path.families)
+        if reason is not None:
+            return reason
     if path.engine == "triton":
         try:
             mod = module(path)
