@@ -24,6 +24,16 @@ def test_import_fnebm_loads_no_compiler_stack():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_import_fnebm_leaves_the_garbage_collector_as_it_found_it():
+    # the collector is paused while fnebm's modules load (a full collection walks torch's heap)
+    code = ("import gc, sys\nwas = sys.argv[1] == 'on'\n(gc.enable if was else gc.disable)()\n"
+            "import fnebm\nprint(gc.isenabled() == was, fnebm.sample_chain is not None)")
+    for state in ("on", "off"):
+        out = subprocess.run([sys.executable, "-c", code, state], capture_output=True, text=True, check=True,
+                             env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
 def test_sampling_a_network_eagerly_loads_no_compiler_stack():
     # the first eager run of a neural energy (init under vmap, steps) uses no torch.func.grad,
     # whose first call would import Dynamo (1-3 s)
