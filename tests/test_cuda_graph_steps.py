@@ -42,7 +42,7 @@ def fake_cuda(monkeypatch):
             raise log["fail"]
         return _FakeGraph(fn, log)
 
-    monkeypatch.setattr(engines, "_graphable", lambda device, steps: steps >= engines._GRAPH_MIN_STEPS)
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: steps >= engines._GRAPH_MIN_STEPS)
     monkeypatch.setattr(engines, "_side_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(engines, "_capture", capture)
     return log
@@ -85,7 +85,7 @@ def test_replayed_steps_give_the_one_by_one_draws(fake_cuda, monkeypatch, name, 
     graphed = _run(alg, d, **kw)
     assert fake_cuda["captures"] == 1  # once per call, kept across its chunks
     assert fake_cuda["replays"] >= 30 - 2 * engines._GRAPH_MIN_STEPS  # the steps did go through the graph
-    monkeypatch.setattr(engines, "_graphable", lambda device, steps: False)
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
     _assert_same(graphed, _run(alg, d, **kw))
 
 
@@ -94,7 +94,7 @@ def test_a_chunk_shorter_than_the_threshold_runs_one_by_one_on_the_graphs_buffer
     n = engines._GRAPH_MIN_STEPS
     got = _run(alg, d, steps=n + n - 1, chunk_size=n)  # a graphed chunk, then a short one
     assert fake_cuda["captures"] == 1 and fake_cuda["replays"] == n - 1
-    monkeypatch.setattr(engines, "_graphable", lambda device, steps: False)
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
     _assert_same(got, _run(alg, d, steps=n + n - 1, chunk_size=n))
 
 
@@ -104,8 +104,21 @@ def test_a_failed_capture_leaves_the_steps_eager_and_their_draws_unchanged(fake_
     got = _run(alg, d, chunk_size=10)
     assert fake_cuda["captures"] == 1  # not tried again in the call's later chunks
     assert fake_cuda["replays"] == 0
-    monkeypatch.setattr(engines, "_graphable", lambda device, steps: False)
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
     _assert_same(got, _run(alg, d, chunk_size=10))
+
+
+def test_on_plan_says_the_steps_replay_a_graph_and_when_a_capture_failed(fake_cuda):
+    alg, d = _algs()["langevin-mlp"]
+    plans = []
+    _run(alg, d, on_plan=plans.append)
+    assert len(plans) == 1 and plans[0].engine == "eager" and plans[0].reason.endswith(engines.GRAPH_NOTE)
+    fake_cuda["fail"] = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    plans.clear()
+    _run(alg, d, on_plan=plans.append)
+    assert len(plans) == 2 and plans[1].revised and engines.GRAPH_NOTE not in plans[1].reason
+    assert plans[1].reason.endswith("no CUDA graph of a step (RuntimeError: CUDA error: operation not permitted "
+                                    "when stream is capturing)")
 
 
 def test_the_warm_up_step_is_kept_and_the_reason_said_when_no_capture_is_made(fake_cuda):

@@ -66,9 +66,11 @@ def _chains_last(state: Any) -> Any:
 # a CUDA graph (TorchEngine._graphed): the capture costs about two eager steps' host time.
 _GRAPH_MIN_STEPS = 8
 _CUDA_GRAPHS = True  # False: eager steps on a GPU run one by one (A/B, tests)
+GRAPH_NOTE = "on CUDA, each eager step replays one step captured as a CUDA graph"  # in a plan's reason
 
 
-def _graphable(device: torch.device, steps: int) -> bool:
+def graphable(device: torch.device, steps: int) -> bool:
+    """Whether a chunk of ``steps`` eager steps on ``device`` replays a CUDA graph (TorchEngine._graphed)."""
     return _CUDA_GRAPHS and device.type == "cuda" and steps >= _GRAPH_MIN_STEPS
 
 
@@ -281,7 +283,7 @@ class TorchEngine:
                 self.first = None  # step 0 ran again in the block (the probe's copy is not needed)
                 return ran
         first, self.first = self.first, None
-        if _graphable(self.device, ts.shape[0] - (first is not None)) and not self.graph_failed:
+        if graphable(self.device, ts.shape[0] - (first is not None)) and not self.graph_failed:
             return self._graphed(ts, kept, first)
         return self._one_by_one(self.state, ts, 0, kept, [], first)
 
@@ -307,6 +309,11 @@ class TorchEngine:
                 g, failed = _Graphed.make(self.step, self.keys, state, ts[a])
                 if g is None:  # the warm-up step ran (and is kept) but the capture was not made
                     self.graph_failed = failed
+                    if self.on_plan is not None and not self.plan.compiled:
+                        self.plan = self.plan._replace(revised=True, reason=(
+                            f"{self.plan.reason.replace('; ' + GRAPH_NOTE, '')}; the eager steps run one by "
+                            f"one from step {a} on: no CUDA graph of a step ({failed.reason})"))
+                        self.on_plan(self.plan)
                     return self._one_by_one(state, ts, a, kept, outs, failed.ran)
                 self.graph = g
                 if self._keeps(kept, a):

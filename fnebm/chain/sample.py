@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fnebm import _checks
 from fnebm import random as fr
+from fnebm.chain import engines
 from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, sync
 from fnebm.chain.loop import needs_grad, position, position_and_energy
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
@@ -444,6 +445,8 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
                                         f"steps (compile_energy={how!r})")
         else:
             plan = plan._replace(reason=f"{plan.reason}; {kernel}")
+    if not plan.compiled and engines.graphable(chain.keys.device, total):
+        plan = plan._replace(reason=f"{plan.reason}; {engines.GRAPH_NOTE}")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
