@@ -18,6 +18,7 @@ import fnebm
 from fnebm import energies as E
 from fnebm import random as fr
 from fnebm.chain import engines
+from fnebm.chain.runner import RunnerCache
 
 F64 = torch.float64
 
@@ -68,7 +69,9 @@ def _algs():
 
 
 def _run(alg, d, steps=30, **kw):
+    """A run of its own cache unless one is given (a failed capture is remembered in a cache's ledger)."""
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(3), (6, d), F64))
+    kw.setdefault("cache", RunnerCache())
     return fnebm.sample_chain(alg.step, state, fr.key(11), steps, progress=False, compile=False, **kw)
 
 
@@ -121,6 +124,46 @@ def test_on_plan_says_the_steps_replay_a_graph_and_when_a_capture_failed(fake_cu
                                     "when stream is capturing)")
 
 
+def test_a_failed_capture_is_not_tried_again_for_the_same_kind_of_step(fake_cuda, monkeypatch):
+    alg, d = _algs()["langevin-mlp"]
+    cache, plans = RunnerCache(), []
+    fake_cuda["fail"] = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    first = _run(alg, d, cache=cache)
+    _run(alg, d, cache=cache, on_plan=plans.append)
+    assert fake_cuda["captures"] == 1 and len(plans) == 1
+    assert "one by one: no CUDA graph of a step (RuntimeError: CUDA error" in plans[0].reason
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
+    _assert_same(first, _run(alg, d))
+
+
+def test_a_step_whose_output_holds_an_input_buffer_elsewhere_replays_right(fake_cuda, monkeypatch):
+    # the replay copies the outputs into the state's buffers in turn: an output that is another field's
+    # input (the energy before the move, as info) must be read before that field is overwritten
+    alg, d = _algs()["langevin-mlp"]
+
+    def step(state, keys):
+        new, info = alg.step(state, keys)
+        return new, (info.is_divergent, state.energy, state.position[..., 0])
+
+    def run():
+        s = torch.func.vmap(alg.init)(fr.normal(fr.key(3), (6, d), F64))
+        return fnebm.sample_chain(step, s, fr.key(11), 20, progress=False, compile=False, cache=RunnerCache())
+
+    graphed = run()
+    assert fake_cuda["captures"] == 1 and fake_cuda["replays"] > 0
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
+    _assert_same(graphed, run())
+
+
+def test_with_on_chunk_each_chunk_captures_anew(fake_cuda, monkeypatch):
+    # the caller's code runs between chunks: what it changes is seen by a new capture
+    alg, d = _algs()["langevin-mlp"]
+    got = _run(alg, d, steps=30, chunk_size=10, on_chunk=lambda *a: None)
+    assert fake_cuda["captures"] == 3
+    monkeypatch.setattr(engines, "graphable", lambda device, steps: False)
+    _assert_same(got, _run(alg, d, steps=30, chunk_size=10, on_chunk=lambda *a: None))
+
+
 def test_the_warm_up_step_is_kept_and_the_reason_said_when_no_capture_is_made(fake_cuda):
     alg, d = _algs()["langevin-mlp"]
     state = torch.func.vmap(alg.init)(fr.normal(fr.key(3), (4, d), F64))
@@ -169,13 +212,38 @@ def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch, samp
            "hmc": lambda: fnebm.hmc(energy, 0.02, torch.ones(32, device="cuda"), 3)}[sampler]()
     x0 = fr.normal(fr.key(3, device="cuda"), (64, 32))
 
-    def run():
+    def run(plans):
         state = torch.func.vmap(alg.init)(x0)
-        return fnebm.sample_chain(alg.step, state, fr.key(1, device="cuda"), 40, thin=5, progress=False, compile=False)
+        return fnebm.sample_chain(alg.step, state, fr.key(1, device="cuda"), 40, thin=5, progress=False, compile=False,
+                                  on_plan=plans.append, cache=RunnerCache())
 
-    graphed = run()
+    plans = []
+    graphed = run(plans)
+    assert len(plans) == 1 and plans[0].reason.endswith(engines.GRAPH_NOTE)  # no revised plan: it replayed
     monkeypatch.setattr(engines, "_CUDA_GRAPHS", False)
-    _assert_same(graphed, run())
+    _assert_same(graphed, run([]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_cuda_device_a_failed_capture_leaves_the_allocator_working(monkeypatch):
+    def host_read(xs):  # reads a value on the host: the capture fails
+        return 0.5 * (xs * xs).sum(-1) + 0.0 * float(xs.detach().abs().max().item())
+
+    alg = fnebm.mala(E.batched(host_read), 0.1)
+    x0 = fr.normal(fr.key(3, device="cuda"), (8, 32))
+    plans = []
+
+    def run(**kw):
+        state = torch.func.vmap(alg.init)(x0)
+        return fnebm.sample_chain(alg.step, state, fr.key(1, device="cuda"), 30, progress=False, compile=False,
+                                  cache=RunnerCache(), **kw)
+
+    got = run(on_plan=plans.append)
+    assert len(plans) == 2 and plans[1].revised and "no CUDA graph of a step" in plans[1].reason
+    torch.cuda.empty_cache()  # refused while the allocator believes a capture is under way
+    torch.cuda.synchronize()
+    monkeypatch.setattr(engines, "_CUDA_GRAPHS", False)
+    _assert_same(got, run())
 
 
 def test_a_kernels_host_scalars_stay_on_the_host_and_other_tunables_move_to_the_device():

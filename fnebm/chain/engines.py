@@ -66,7 +66,8 @@ def _chains_last(state: Any) -> Any:
 # a CUDA graph (TorchEngine._graphed): the capture costs about two eager steps' host time.
 _GRAPH_MIN_STEPS = 8
 _CUDA_GRAPHS = True  # False: eager steps on a GPU run one by one (A/B, tests)
-GRAPH_NOTE = "on CUDA, each eager step replays one step captured as a CUDA graph"  # in a plan's reason
+# in a plan's reason
+GRAPH_NOTE = f"on CUDA, eager chunks of {_GRAPH_MIN_STEPS} or more steps replay one step captured as a CUDA graph"
 
 
 def graphable(device: torch.device, steps: int) -> bool:
@@ -84,24 +85,49 @@ class _GraphFailed(NamedTuple):
 def _capture(fn: Callable[[], None], stream: Any) -> Any:
     """``fn``'s CUDA work captured on ``stream`` as a ``torch.cuda.CUDAGraph`` (raises what ``fn`` or
     the capture raised). ``torch.cuda.graph`` would also empty the allocator's cache at every capture.
-    "thread_local": a background compile's thread may allocate meanwhile."""
+    "thread_local": a background compile's thread may allocate meanwhile. A capture that fails is
+    taken apart (:func:`_leave_pool`), so that the allocator goes on as if it had not begun."""
     graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle()
     with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             fn()
         except BaseException:
-            with contextlib.suppress(Exception):  # the capture is invalid: end it, keep fn's error
-                graph.capture_end()
+            try:
+                graph.capture_end()  # a capture that an operation did not invalidate ends here
+            except BaseException:  # noqa: BLE001 - invalidated: keep fn's error
+                _leave_pool(stream.device, pool)
             raise
-        graph.capture_end()
+        try:
+            graph.capture_end()
+        except BaseException:
+            _leave_pool(stream.device, pool)
+            raise
     return graph
+
+
+def _leave_pool(device: torch.device, pool: Any) -> None:
+    """After a capture whose end failed: torch's ``capture_end`` raises before it tells the allocator
+    that allocations no longer go to the graph's pool, which would leave the allocator "capturing"
+    for good (``empty_cache`` refused, no freeing of cached blocks before an out-of-memory error).
+    Says so for it, and releases the pool (the graph, never captured, will not)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for leave in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        with contextlib.suppress(Exception):  # already done by a capture_end that got that far
+            getattr(torch._C, leave)(index, pool)
+
+
+_SIDE_STREAMS: dict = {}  # device -> the stream captures run on (one per device: each stream has its BLAS workspace)
 
 
 @contextlib.contextmanager
 def _side_stream(device: torch.device):
-    """A fresh stream of ``device``, current inside (after the current stream's work), waited for after."""
-    main, stream = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    """The side stream of ``device``, current inside (after the current stream's work), waited for after."""
+    main = torch.cuda.current_stream(device)
+    stream = _SIDE_STREAMS.get(main.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device)
     stream.wait_stream(main)
     try:
         with torch.cuda.stream(stream):
@@ -135,7 +161,15 @@ class _Graphed:
 
     def _advance(self) -> None:
         new, info = self.step(self.state, fr.fold_in(self.keys, self.t))
-        for dst, src in zip(self._leaves, pytree.tree_leaves((new, info)), strict=True):
+        srcs = pytree.tree_leaves((new, info))
+        if len(srcs) != len(self._leaves):
+            raise ValueError("the step's output changed structure between two steps")
+        # an output that is (or views) one of the state's own buffers in another place (info = the energy
+        # before the move, say) is read before the copies below overwrite it
+        held = {d.untyped_storage().data_ptr() for d in self._leaves}
+        srcs = [src.clone() if src.untyped_storage().data_ptr() in held and src is not dst else src
+                for dst, src in zip(self._leaves, srcs)]
+        for dst, src in zip(self._leaves, srcs):
             dst.copy_(src)
         self.t.add_(1)
 
@@ -156,19 +190,24 @@ class _Graphed:
         ``(graphed, None)`` with the warm-up step's result in its buffers, or ``(None, why)``."""
         step = _tunables_on(step, keys.device)
         with _side_stream(keys.device) as stream:
-            t = t.to(torch.int64).clone()
             ran = step(state, fr.fold_in(keys, t))
-            leaves = pytree.tree_leaves(ran)
-            if not all(isinstance(x, Tensor) and x.device == keys.device for x in leaves):
-                return None, _GraphFailed("a step's output is not all tensors on the chain's device", ran)
-            if any(x.requires_grad for x in leaves) or not _checks.is_concrete(*leaves):
-                return None, _GraphFailed("a step's output is tracked by autograd or a torch.func transform", ran)
-            g = cls(step, keys, *pytree.tree_map(torch.clone, ran), t + 1)
-            try:
+        leaves = pytree.tree_leaves(ran)
+        if not all(isinstance(x, Tensor) and x.device == keys.device for x in leaves):
+            return None, _GraphFailed("a step's output is not all tensors on the chain's device", ran)
+        if keys.device.type == "cuda":
+            main = torch.cuda.current_stream(keys.device)
+            for x in leaves:  # made on the side stream, used and freed on this one
+                x.record_stream(main)
+        if any(x.requires_grad for x in leaves) or not _checks.is_concrete(*leaves):
+            return None, _GraphFailed("a step's output is tracked by autograd or a torch.func transform", ran)
+        # the graph's buffers: made on this stream, which replays the graph
+        g = cls(step, keys, *pytree.tree_map(torch.clone, ran), t.to(torch.int64) + 1)
+        try:
+            with _side_stream(keys.device) as stream:
                 g.graph = _capture(g._advance, stream)
-            except Exception as exc:  # noqa: BLE001 - the step read a value on the host, say: eager steps
-                return None, _GraphFailed(describe_failure(exc), ran)
-            return g, None
+        except Exception as exc:  # noqa: BLE001 - the step read a value on the host, say: eager steps
+            return None, _GraphFailed(describe_failure(exc), ran)
+        return g, None
 
 
 class TorchEngine:
@@ -186,7 +225,7 @@ class TorchEngine:
     def __init__(self, step, collect, chain, n_chain_axes: int, plan: RunPlan, run: Callable, ledger: Any,
                  expected: Any, bufs: list[Tensor] | None, n_kept: int, thin: int, record: bool,
                  on_plan: Callable | None, fall_back: Callable, compiled: Callable | None = None,
-                 background_failed: Callable | None = None):
+                 background_failed: Callable | None = None, between_chunks: bool = False):
         self.step, self.collect, self.keys, self.start = step, collect, chain.keys, chain.steps_taken
         self.plan, self.run, self.ledger, self.record = plan, run, ledger, record
         # while a compile runs in the background: the compiled runner once it is ready, and what
@@ -198,6 +237,7 @@ class TorchEngine:
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
         self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
+        self.between_chunks = between_chunks  # the caller's code runs between chunks (on_chunk): capture anew
         self.graph_failed: _GraphFailed | None = None  # why it could not be, in this call
 
     def first_size(self, chunk_size: int) -> int:
@@ -283,7 +323,8 @@ class TorchEngine:
                 self.first = None  # step 0 ran again in the block (the probe's copy is not needed)
                 return ran
         first, self.first = self.first, None
-        if graphable(self.device, ts.shape[0] - (first is not None)) and not self.graph_failed:
+        if (graphable(self.device, ts.shape[0] - (first is not None)) and self.graph_failed is None
+                and getattr(self.ledger, "graph_failed", None) is None):
             return self._graphed(ts, kept, first)
         return self._one_by_one(self.state, ts, 0, kept, [], first)
 
@@ -309,6 +350,8 @@ class TorchEngine:
                 g, failed = _Graphed.make(self.step, self.keys, state, ts[a])
                 if g is None:  # the warm-up step ran (and is kept) but the capture was not made
                     self.graph_failed = failed
+                    if hasattr(self.ledger, "graph_failed"):  # not tried again for this kind of step and shapes
+                        self.ledger.graph_failed = failed.reason
                     if self.on_plan is not None and not self.plan.compiled:
                         self.plan = self.plan._replace(revised=True, reason=(
                             f"{self.plan.reason.replace('; ' + GRAPH_NOTE, '')}; the eager steps run one by "
@@ -325,6 +368,10 @@ class TorchEngine:
                 g.replay()
                 if self._keeps(kept, i):
                     outs.append((pytree.tree_map(torch.clone, self.collect(g.state)), pytree.tree_map(torch.clone, g.info)))
+        if self.between_chunks:
+            # the caller's code runs between chunks (on_chunk): what it changes is seen by a new capture,
+            # as by the steps one by one, rather than frozen in this graph
+            self.graph = None
         # the engine's state is the graph's own buffers between chunks (the next chunk replays on them);
         # the call's final state is copied out of them (finish)
         return _stacked(g.state, outs)

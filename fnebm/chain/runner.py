@@ -184,7 +184,8 @@ class RunPlan(NamedTuple):
 class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
-    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed", "pending", "failure_said")
+    __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed", "pending", "failure_said",
+                 "graph_failed")
 
     def __init__(self):
         self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
@@ -194,6 +195,7 @@ class _Ledger:
         self.failed = None      # why its compile failed (then it runs eagerly, never compiled again)
         self.pending = None     # the thread compiling it in the background, while eager steps run
         self.failure_said = False  # a background compile's failure has been warned of
+        self.graph_failed = None  # why its eager step could not be captured as a CUDA graph (not tried again)
 
     def record(self, seconds: float, steps: int) -> None:
         """``steps`` eager steps took ``seconds``."""

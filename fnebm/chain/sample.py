@@ -446,7 +446,9 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
         else:
             plan = plan._replace(reason=f"{plan.reason}; {kernel}")
     if not plan.compiled and engines.graphable(chain.keys.device, total):
-        plan = plan._replace(reason=f"{plan.reason}; {engines.GRAPH_NOTE}")
+        no_graph = ledger.graph_failed
+        plan = plan._replace(reason=f"{plan.reason}; " + (engines.GRAPH_NOTE if no_graph is None else
+                                                          f"eager steps one by one: no CUDA graph of a step ({no_graph})"))
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))
@@ -457,7 +459,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
                          record=compile == "auto" or on_chunk is not None, on_plan=on_plan, fall_back=_fall_back,
                          compiled=cache.get(runner_key) if plan.background else None,
                          background_failed=lambda p, led, a: _fall_back(p, led, led.failed, a, None)._replace(
-                             background=False))
+                             background=False), between_chunks=on_chunk is not None)
     if first and not plan.compiled and not plan.background and engine.state is chain.state:
         engine.first = first[0]  # the probe ran step 0 eagerly on this very state: the run's step 0
     if plan.background and ledger.pending is None:
