@@ -333,11 +333,13 @@ class TorchEngine:
         kernels as :meth:`_one_by_one`'s steps in the same order (the same draws), one launch a step.
 
         An eager step is host-bound on a GPU (a 784-D MLP's Langevin step: ~48 launches and 2.5 ms of
-        host time for 0.1 ms of device time). The graph is captured once per engine (per call) after a
-        step run eagerly on the capture stream, kept across chunks. It is not used, and the steps run
-        as :meth:`_one_by_one` runs them, where a step's output is tracked by autograd (a gradient
-        through the chain) or the capture fails (the energy reads a value on the host, say): the
-        failure is remembered for this call and its reason kept in ``graph_failed``."""
+        host time for 0.1 ms of device time). The graph is captured once per engine (per call; per
+        chunk when the caller's code runs between chunks) after a step run eagerly on the capture
+        stream, and kept across chunks. It is not used, and the steps run as :meth:`_one_by_one` runs
+        them, where a step's output is tracked by autograd (a gradient through the chain) or the
+        capture fails (the energy reads a value on the host, say): the reason is kept in
+        ``graph_failed`` and in the ledger (later calls of this kind of step and shapes do not try
+        again), and a revised plan says it."""
         state, outs, a, n = self.state, [], 0, ts.shape[0]
         if first is not None:  # step 0 ran in the probe
             state, info = first
