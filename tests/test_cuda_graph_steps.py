@@ -202,6 +202,17 @@ def test_a_gradient_through_the_chain_is_not_captured(fake_cuda):
     assert torch.isfinite(g).all() and g.abs().sum() > 0
 
 
+def test_a_gradient_through_one_call_does_not_keep_later_calls_from_the_graph(fake_cuda):
+    alg, d = _algs()["langevin-mlp"]
+    cache = RunnerCache()
+    x0 = fr.normal(fr.key(3), (6, d), F64)
+    tracked = torch.func.vmap(alg.init)(x0.clone().requires_grad_(True))
+    fnebm.sample_chain(alg.step, tracked, fr.key(1), 12, progress=False, compile=False, cache=cache)
+    assert fake_cuda["captures"] == 0
+    _run(alg, d, cache=cache)
+    assert fake_cuda["captures"] == 1 and fake_cuda["replays"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("sampler", ["langevin", "mala", "hmc"])
 def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch, sampler):

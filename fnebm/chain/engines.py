@@ -76,10 +76,13 @@ def graphable(device: torch.device, steps: int) -> bool:
 
 
 class _GraphFailed(NamedTuple):
-    """Why an eager step was not captured (one line), and the warm-up step's ``(state, info)``."""
+    """Why an eager step was not captured (one line), the warm-up step's ``(state, info)``, and whether
+    the reason holds for every call of this kind of step and shapes (``lasting``: the capture itself
+    failed) or only for this one (a gradient asked for through this call's chain)."""
 
     reason: str
     ran: Any
+    lasting: bool = True
 
 
 def _capture(fn: Callable[[], None], stream: Any) -> Any:
@@ -199,7 +202,8 @@ class _Graphed:
             for x in leaves:  # made on the side stream, used and freed on this one
                 x.record_stream(main)
         if any(x.requires_grad for x in leaves) or not _checks.is_concrete(*leaves):
-            return None, _GraphFailed("a step's output is tracked by autograd or a torch.func transform", ran)
+            return None, _GraphFailed("a step's output is tracked by autograd or a torch.func transform", ran,
+                                      lasting=False)
         # the graph's buffers: made on this stream, which replays the graph
         g = cls(step, keys, *pytree.tree_map(torch.clone, ran), t.to(torch.int64) + 1)
         try:
@@ -324,7 +328,7 @@ class TorchEngine:
                 return ran
         first, self.first = self.first, None
         if (graphable(self.device, ts.shape[0] - (first is not None)) and self.graph_failed is None
-                and getattr(self.ledger, "graph_failed", None) is None):
+                and self.ledger.graph_failed is None):
             return self._graphed(ts, kept, first)
         return self._one_by_one(self.state, ts, 0, kept, [], first)
 
@@ -338,8 +342,8 @@ class TorchEngine:
         stream, and kept across chunks. It is not used, and the steps run as :meth:`_one_by_one` runs
         them, where a step's output is tracked by autograd (a gradient through the chain) or the
         capture fails (the energy reads a value on the host, say): the reason is kept in
-        ``graph_failed`` and in the ledger (later calls of this kind of step and shapes do not try
-        again), and a revised plan says it."""
+        ``graph_failed``, and a failed capture in the ledger too (later calls of this kind of step and
+        shapes do not try again); a revised plan says it."""
         state, outs, a, n = self.state, [], 0, ts.shape[0]
         if first is not None:  # step 0 ran in the probe
             state, info = first
@@ -352,7 +356,7 @@ class TorchEngine:
                 g, failed = _Graphed.make(self.step, self.keys, state, ts[a])
                 if g is None:  # the warm-up step ran (and is kept) but the capture was not made
                     self.graph_failed = failed
-                    if hasattr(self.ledger, "graph_failed"):  # not tried again for this kind of step and shapes
+                    if failed.lasting:  # not tried again for this kind of step and shapes
                         self.ledger.graph_failed = failed.reason
                     if self.on_plan is not None and not self.plan.compiled:
                         self.plan = self.plan._replace(revised=True, reason=(
