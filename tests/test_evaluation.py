@@ -297,6 +297,17 @@ def test_a_scope_pins_the_compiled_graph_and_the_next_scope_checks_again():
     with ev.scope():
         for x in xs:
             torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
+        # a kernel's trips: one positions buffer, rewritten in place between calls (the pinned graph runs
+        # at once on it): every call sees the buffer's new values
+        buf = xs[0].clone()
+        ev(buf)
+        assert ev.ev.pin[1][ev.ev.pin[2]] is buf  # the pin runs on this buffer from now on
+        for x in xs[1:]:
+            buf.copy_(x)
+            e, g = ev(buf)
+            torch.testing.assert_close(g, x @ P_now["P"])
+            torch.testing.assert_close(e, 0.5 * ((x @ P_now["P"]) * x).sum(-1))
+    assert ev.ev.pin is None
 
 
 def test_an_eager_block_keeps_the_pin_across_scopes_until_it_ends():
@@ -319,7 +330,7 @@ def test_an_eager_block_keeps_the_pin_across_scopes_until_it_ends():
                 torch.testing.assert_close(ev(x)[1], x @ P_now["P"])
             pin = ev.ev.pin
             assert pin is not None
-            assert x is xs[0] or pin is first  # the same recorded graph: no new trip through the guards
+            assert x is xs[0] or pin[0] is first[0]  # the same recorded graph: no new trip through the guards
             first = pin
     assert ev.ev.pin is None
     P_now["P"] = 2.0 * P  # rebound between two blocks: seen by the next

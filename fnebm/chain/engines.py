@@ -413,17 +413,20 @@ class TorchEngine:
             return None
         block = max(1, _MANY_FLOATS // max(1, x.numel()))
         lead = (1,) * (self.keys.ndim - 1)
-        for a in range(0, n, block):
+        a = 0
+        while a < n:
             b = min(n, a + block)
             ran = many(self.step, state, fr.fold_in(self.keys, ts[a:b].reshape((-1,) + lead)))
             if ran is None:  # the kernel stopped applying: the rest one step at a time
                 return None if a == 0 else self._one_by_one(state, ts, a, kept, outs)
-            states, infos = ran
+            states, infos = ran  # every leaf stacked; the kernel may have run only the first of the steps
+            b = a + pytree.tree_leaves(infos)[0].shape[0]
             for i in range(a, b):
                 if self._keeps(kept, i):
-                    one = type(states)(*(f[i - a] for f in states))
-                    outs.append((pytree.tree_map(torch.clone, self.collect(one)), type(infos)(*(f[i - a] for f in infos))))
-            state = type(states)(*(f[b - a - 1] for f in states))
+                    one, info = (pytree.tree_map(lambda f: f[i - a], t) for t in (states, infos))
+                    outs.append((pytree.tree_map(torch.clone, self.collect(one)), info))
+            state = pytree.tree_map(lambda f: f[b - a - 1], states)
+            a = b
         return _stacked(state, outs)
 
     def finish(self) -> tuple[Any, Any, Any]:

@@ -509,6 +509,27 @@ int fnebm_nuts_step(const nuts_args_t *a, int family, int n_threads) {
  * for the other chains' trees: the outputs are (n_trans, n_chains) rows. A finished chain's row of
  * `pending` holds its result, so the caller can evaluate every row. The context keeps the
  * arguments' pointers: the tensors behind them must live until fnebm_nuts_end. */
+/* Window adaptation's iterations (fnebm.adaptation.window), run by fnebm_nuts_adapt_begin: every chain
+ * takes iteration t's transition with the step size and metric in force, then (all chains done: the
+ * pooled statistics need every chain) dual averaging (fnebm/adaptation/step_size.py's update) and, in
+ * a slow window, Welford's update (mass_matrix.py's) run here, in float32, in torch's order of
+ * operations (reductions over chains may round differently). A window's end returns to Python, which
+ * computes the new metric and restarts dual averaging (mass_matrix.final, step_size.init) in torch
+ * and writes them into these buffers. The step size of the next iteration is exp(log_step_size). */
+typedef struct {
+    int64_t n_da;             /* step sizes: 1 (pooled) or n_chains */
+    int64_t n_w;              /* Welford statistics: 1 (pooled) or n_chains */
+    const int8_t *slow, *end; /* per iteration of the call: the draw feeds the statistic; it ends a window */
+    float target, t0, gamma, kappa;
+    float *da;                /* 5 x n_da: log_step_size, log_step_size_avg, avg_error, mu, count */
+    float *h;                 /* n_da: the step size in use (the args' h_ptr) */
+    float *w_mean, *w_m2, *w_count; /* n_w x d, n_w x d (x d when dense), 1 */
+    const float *imm;         /* n_w x d (x d): the metric in use (the args' imm) */
+    /* per iteration t of the call, written once it is done: the warm-up's state after it */
+    float *hist_da, *hist_h, *hist_mean, *hist_m2, *hist_count, *hist_imm; /* hist_h: the step size after t */
+    int64_t *at;              /* the iteration that ended a window, when a call returns -1 */
+} adapt_args_t;
+
 typedef struct {
     nuts_args_t a;
     tree_t *trees;
@@ -516,6 +537,8 @@ typedef struct {
     int8_t *waiting;
     int64_t *trans; /* each chain's transition */
     int64_t stride, n_trans, key_stride_t;
+    int adapt;      /* iterations of window adaptation (ad), all chains at one iteration */
+    adapt_args_t ad;
 } nuts_ctx_t;
 
 void fnebm_nuts_end(void *ctx) {
@@ -544,7 +567,7 @@ static int64_t advance_all(nuts_ctx_t *s, float *pending) {
                 break;
             }
             tree_output(t, a, s->trans[c] * n + c);
-            if (++s->trans[c] >= s->n_trans) {
+            if (++s->trans[c] >= s->n_trans || s->adapt) {
                 memcpy(pending + c * d, t->px, sizeof(float) * d);
                 s->waiting[c] = 0;
                 break;
@@ -596,4 +619,171 @@ int64_t fnebm_nuts_resume(void *ctx, const float *energy, const float *grad, flo
         s->trees[c].nu = energy[c];
     }
     return advance_all(s, pending);
+}
+
+
+/* torch's safe_acceptance: NaN -> 0, +inf -> 1, clamped to [0, 1] */
+static inline float safe_accept(float x) {
+    if (isnan(x))
+        return 0.0f;
+    return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x);
+}
+
+/* iteration t is done for every chain: dual averaging, Welford in a slow window, and the history */
+static void adapt_update(nuts_ctx_t *s, int64_t t) {
+    const nuts_args_t *a = &s->a;
+    adapt_args_t *ad = &s->ad;
+    const int64_t n = a->n_chains, d = a->d, nda = ad->n_da, nw = ad->n_w;
+    const float *acc_row = a->accept + t * n, *x_row = a->x_out + t * n * d;
+    const int64_t m_el = a->dense ? d * d : d;
+    /* Welford (mass_matrix.update): pooled, the chains are one batch of n_b = n draws */
+    if (ad->slow[t]) {
+        const int64_t nb = n / nw;
+        const float na = ad->w_count[0];
+        const float nn = na + (float)nb;
+        const float frac = (1.0f / nn) * (float)nb;  /* n_b / n: torch's reciprocal, then the product */
+        const float weight = na * (float)nb / nn;
+        float *mb = (float *)malloc(sizeof(float) * 2 * d);
+        float *delta = mb + d;
+        for (int64_t k = 0; k < nw; k++) {
+            const float *xk = x_row + k * nb * d;
+            float *mean = ad->w_mean + k * d, *m2 = ad->w_m2 + k * m_el;
+            for (int64_t j = 0; j < d; j++) {
+                float sum = 0.0f;
+                for (int64_t c = 0; c < nb; c++)
+                    sum += xk[c * d + j];
+                mb[j] = sum / (float)nb;
+                delta[j] = mb[j] - mean[j];
+            }
+            if (!a->dense) {
+                for (int64_t j = 0; j < d; j++) {
+                    float ss = 0.0f;
+                    for (int64_t c = 0; c < nb; c++) {
+                        const float z = xk[c * d + j] - mb[j];
+                        ss += z * z;
+                    }
+                    m2[j] = (m2[j] + ss) + delta[j] * delta[j] * weight;
+                }
+            } else {
+                for (int64_t i = 0; i < d; i++)
+                    for (int64_t j = 0; j < d; j++) {
+                        float ss = 0.0f;
+                        for (int64_t c = 0; c < nb; c++)
+                            ss += (xk[c * d + i] - mb[i]) * (xk[c * d + j] - mb[j]);
+                        m2[i * d + j] = (m2[i * d + j] + ss) + delta[i] * delta[j] * weight;
+                    }
+            }
+            for (int64_t j = 0; j < d; j++)
+                mean[j] = mean[j] + delta[j] * frac;
+        }
+        free(mb);
+        ad->w_count[0] = nn;
+    }
+    /* dual averaging (step_size.update), each step size on the mean statistic of its chains */
+    const int64_t per = n / nda;
+    for (int64_t k = 0; k < nda; k++) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < per; c++)
+            acc += safe_accept(acc_row[k * per + c]);
+        if (per > 1)
+            acc = acc / (float)per;
+        float *log_h = ad->da + k, *log_h_avg = ad->da + nda + k, *err = ad->da + 2 * nda + k;
+        const float mu = ad->da[3 * nda + k];
+        float *count = ad->da + 4 * nda + k;
+        const float tt = *count + 1.0f;
+        const float eta = 1.0f / (tt + ad->t0);
+        *err = (1.0f - eta) * *err + eta * (ad->target - acc);
+        *log_h = mu - sqrtf(tt) / ad->gamma * *err;
+        const float w = powf(tt, -ad->kappa);
+        *log_h_avg = w * *log_h + (1.0f - w) * *log_h_avg;
+        *count = tt;
+        ad->h[k] = expf(*log_h);
+    }
+}
+
+/* the state after iteration t, into the history (after a window's end, once Python has written it) */
+static void adapt_record(nuts_ctx_t *s, int64_t t) {
+    const nuts_args_t *a = &s->a;
+    adapt_args_t *ad = &s->ad;
+    const int64_t d = a->d, nda = ad->n_da, nw = ad->n_w, m_el = a->dense ? d * d : d;
+    memcpy(ad->hist_da + t * 5 * nda, ad->da, sizeof(float) * 5 * nda);
+    memcpy(ad->hist_h + t * nda, ad->h, sizeof(float) * nda); /* the step size of iteration t + 1 */
+    memcpy(ad->hist_mean + t * nw * d, ad->w_mean, sizeof(float) * nw * d);
+    memcpy(ad->hist_m2 + t * nw * m_el, ad->w_m2, sizeof(float) * nw * m_el);
+    ad->hist_count[t] = ad->w_count[0];
+    memcpy(ad->hist_imm + t * nw * m_el, ad->imm, sizeof(float) * nw * m_el);
+}
+
+/* every chain starts iteration t (its key row), from the last one's result, with the step size in use */
+static void adapt_start(nuts_ctx_t *s, int64_t t) {
+    const nuts_args_t *a = &s->a;
+    for (int64_t c = 0; c < a->n_chains; c++) {
+        tree_t *tr = s->trees + c;
+        tr->h = a->h_ptr[c * a->h_stride];
+        const int64_t *k = a->keys + t * s->key_stride_t + c * a->key_stride_c;
+        tree_start(tr, a, tr->px, tr->pu, tr->pg, (uint32_t)k[0], (uint32_t)k[a->key_stride_w]);
+        step_start(tr, a);
+        s->waiting[c] = 1;
+    }
+}
+
+/* advance until some chain waits for an evaluation (> 0), a window ends (-1: *at is the iteration;
+ * Python writes the new metric and dual averaging, then calls fnebm_nuts_adapt_next), or every
+ * iteration is done (0) */
+static int64_t adapt_run(nuts_ctx_t *s, float *pending) {
+    for (;;) {
+        const int64_t left = advance_all(s, pending);
+        if (left)
+            return left;
+        const int64_t t = s->trans[0] - 1; /* every chain finished iteration t */
+        adapt_update(s, t);
+        if (s->ad.end[t]) {
+            *s->ad.at = t;
+            return -1;
+        }
+        adapt_record(s, t);
+        if (t + 1 >= s->n_trans)
+            return 0;
+        adapt_start(s, t + 1);
+    }
+}
+
+/* n_iter iterations of window adaptation (adapt_args_t): as fnebm_nuts_begin, with a return of -1 at a
+ * window's end. The args' h_ptr and imm/mfac must be ad->h and the metric buffers Python rewrites. */
+void *fnebm_nuts_adapt_begin(const nuts_args_t *a, const adapt_args_t *ad, int64_t n_iter, int64_t key_stride_t,
+                             float *pending, int64_t *left) {
+    nuts_ctx_t *s = (nuts_ctx_t *)fnebm_nuts_begin(a, 0, key_stride_t, pending, left); /* starts iteration 0 */
+    if (s == NULL)
+        return NULL;
+    /* fnebm_nuts_begin ran with n_trans = 1 (a finished chain stopped); the call runs n_iter */
+    s->n_trans = n_iter > 0 ? n_iter : 1;
+    s->adapt = 1;
+    s->ad = *ad;
+    if (*left == 0)
+        *left = adapt_run(s, pending);
+    return s;
+}
+
+/* after a window's end (-1): record iteration *at's state as Python left it, start the next */
+int64_t fnebm_nuts_adapt_next(void *ctx, float *pending) {
+    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+    const int64_t t = *s->ad.at;
+    adapt_record(s, t);
+    if (t + 1 >= s->n_trans)
+        return 0;
+    adapt_start(s, t + 1);
+    return adapt_run(s, pending);
+}
+
+/* as fnebm_nuts_resume, in a warm-up: the evaluation, then on (-1 at a window's end) */
+int64_t fnebm_nuts_adapt_resume(void *ctx, const float *energy, const float *grad, float *pending) {
+    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+    const int64_t d = s->a.d;
+    for (int64_t c = 0; c < s->a.n_chains; c++) {
+        if (!s->waiting[c])
+            continue;
+        memcpy(s->trees[c].ng, grad + c * d, sizeof(float) * d);
+        s->trees[c].nu = energy[c];
+    }
+    return adapt_run(s, pending);
 }

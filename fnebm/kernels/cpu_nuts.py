@@ -23,8 +23,9 @@ compiler (once per machine, cached on disk; :mod:`fnebm.kernels._cbuild`; build 
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -33,7 +34,8 @@ from torch import Tensor
 from fnebm.kernels import _assume_constant_result, cpu_chain, families
 from fnebm.kernels._cbuild import CLibrary
 
-__all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "MAX_COEFFICIENTS"]
+__all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "nuts_transitions", "nuts_warmup",
+           "Warmup", "MAX_COEFFICIENTS"]
 
 _SOURCE = Path(__file__).with_name("_cpu_nuts.c")
 MAX_COEFFICIENTS = 15  # the C kernel's MAX_COEF: integrators of up to 7 gradient evaluations per step
@@ -51,6 +53,15 @@ class _Args(ctypes.Structure):
     )
 
 
+class _AdaptArgs(ctypes.Structure):
+    _fields_ = (
+        [("n_da", ctypes.c_int64), ("n_w", ctypes.c_int64), ("slow", ctypes.c_void_p), ("end", ctypes.c_void_p)]
+        + [(n, ctypes.c_float) for n in ("target", "t0", "gamma", "kappa")]
+        + [(n, ctypes.c_void_p) for n in ("da", "h", "w_mean", "w_m2", "w_count", "imm", "hist_da", "hist_h",
+                                          "hist_mean", "hist_m2", "hist_count", "hist_imm", "at")]
+    )
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
     lib.fnebm_nuts_step.restype = ctypes.c_int
@@ -61,6 +72,13 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_resume.restype = ctypes.c_int64
     lib.fnebm_nuts_end.argtypes = [ctypes.c_void_p]
     lib.fnebm_nuts_end.restype = None
+    lib.fnebm_nuts_adapt_begin.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_AdaptArgs), ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.fnebm_nuts_adapt_begin.restype = ctypes.c_void_p
+    lib.fnebm_nuts_adapt_resume.argtypes = lib.fnebm_nuts_resume.argtypes
+    lib.fnebm_nuts_adapt_resume.restype = ctypes.c_int64
+    lib.fnebm_nuts_adapt_next.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.fnebm_nuts_adapt_next.restype = ctypes.c_int64
 
 
 # -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's two operations do (the
@@ -283,6 +301,130 @@ def nuts_transitions(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], positi
                       int(max_tree_depth), float(divergence_threshold), bool(uturn_extra_checks))
 
 
+class Warmup(NamedTuple):
+    """What :func:`nuts_warmup` returns, every field with a leading axis of iterations ``T``: the
+    transition's ``position``, ``energy``, ``grad``, ``acceptance_rate``, ``is_divergent``
+    (``(T, *chains, ...)``), and the adaptation's state after each iteration: ``dual_averaging`` (the
+    five fields of :class:`fnebm.adaptation.step_size.DualAveragingState`, each ``(T, *pool)``),
+    ``step_size`` (``(T, *pool)``: the one the next iteration takes), ``welford`` (``mean (T, *pool,
+    d)``, ``m2 (T, *pool, d[, d])``, ``count (T,)``) and ``inverse_mass_matrix`` (``(T, *pool, d[, d])``)."""
+
+    position: Tensor
+    energy: Tensor
+    grad: Tensor
+    acceptance_rate: Tensor
+    is_divergent: Tensor
+    dual_averaging: tuple[Tensor, ...]
+    step_size: Tensor
+    welford: tuple[Tensor, Tensor, Tensor]
+    inverse_mass_matrix: Tensor
+
+
+def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: Tensor, energy: Tensor, grad: Tensor,
+                keys: Tensor, step_size: Tensor, inverse_mass_matrix: Tensor, dense: bool, *, max_tree_depth: int,
+                coefficients: Sequence[float], divergence_threshold: float, dual_averaging: Sequence[Tensor],
+                welford: Sequence[Tensor], slow: Tensor, end: Tensor, target: float, t0: float, gamma: float,
+                kappa: float, window_end: Callable[[Tensor, Tensor, Tensor, Sequence[Tensor]], tuple],
+                uturn_extra_checks: bool = True) -> Warmup:
+    """``T`` iterations of window adaptation with NUTS on an energy evaluated by ``evaluate`` (as
+    :func:`nuts_transitions`'), ``keys: (T, *chains, 2)``: at iteration ``t`` every chain takes the
+    transition :func:`nuts_step` takes with ``keys[t]``, the step size and the metric in force; then
+    dual averaging (toward ``target``, with ``t0``, ``gamma``, ``kappa``) and, where ``slow[t]``,
+    Welford's update run in C (:mod:`fnebm.adaptation`'s ``update`` functions, in float32 and their
+    order of operations; a mean over chains may round differently). Where ``end[t]``,
+    ``window_end(mean, m2, count, dual_averaging) -> (inverse_mass_matrix, (mean, m2, count),
+    dual_averaging, step_size)`` gives the state after the window in torch (the adaptation's own
+    code), and the iterations go on from it.
+
+    ``step_size: pool``, ``inverse_mass_matrix: pool + (d,)`` or ``pool + (d, d)`` (``dense``),
+    ``dual_averaging``: five tensors ``pool``, ``welford``: ``(mean pool + (d,), m2, count ())``, with
+    ``pool`` either ``()`` (pooled: one step size and metric, statistics over every chain) or the
+    chains' shape; all float32 on the CPU. The caller has checked the transition with :func:`why_not`.
+    Pooled, a chain's next transition waits for every chain's last (its step size does); the
+    iterations run in C but for the evaluations and the windows' ends.
+    """
+    lib = LIBRARY.load()
+    if lib is None:
+        raise RuntimeError(f"the C NUTS kernel is unavailable: {LIBRARY.why}")
+    chains, d = tuple(position.shape[:-1]), position.shape[-1]
+    n, t_n = math.prod(chains), keys.shape[0]
+    pool = tuple(step_size.shape)
+    n_p = math.prod(pool)
+    event = (d, d) if dense else (d,)
+    m_el = math.prod(event)
+    f32 = dict(dtype=torch.float32)
+    # the buffers C reads and writes: the step size and metric in use, dual averaging, Welford
+    h = step_size.detach().to(torch.float32).reshape(n_p).clone()
+    imm = inverse_mass_matrix.detach().to(torch.float32).reshape(n_p * m_el).clone()
+    mfac = torch.empty_like(imm)
+    mfac.copy_(_metric(position, h.reshape(pool), imm.view(pool + event), dense, coefficients)[2].reshape(-1))
+    da = torch.stack([f.detach().to(torch.float32).reshape(n_p) for f in dual_averaging]).contiguous()
+    w_mean = welford[0].detach().to(torch.float32).reshape(n_p * d).clone()
+    w_m2 = welford[1].detach().to(torch.float32).reshape(n_p * m_el).clone()
+    w_count = welford[2].detach().to(torch.float32).reshape(1).clone()
+    slow = slow.to(torch.int8).contiguous()
+    end = end.to(torch.int8).contiguous()
+    hist_da, hist_h = torch.empty(t_n, 5, n_p, **f32), torch.empty(t_n, n_p, **f32)
+    hist_mean, hist_m2 = torch.empty(t_n, n_p * d, **f32), torch.empty(t_n, n_p * m_el, **f32)
+    hist_count, hist_imm = torch.empty(t_n, **f32), torch.empty(t_n, n_p * m_el, **f32)
+    at = torch.zeros(1, dtype=torch.int64)
+    ad = _AdaptArgs(n_p, n_p, slow.data_ptr(), end.data_ptr(), float(target), float(t0), float(gamma), float(kappa),
+                    da.data_ptr(), h.data_ptr(), w_mean.data_ptr(), w_m2.data_ptr(), w_count.data_ptr(),
+                    imm.data_ptr(), hist_da.data_ptr(), hist_h.data_ptr(), hist_mean.data_ptr(), hist_m2.data_ptr(),
+                    hist_count.data_ptr(), hist_imm.data_ptr(), at.data_ptr())
+
+    xs, gs, es = _flat(position, (n, d)), _flat(grad, (n, d)), _flat(energy, (n,))
+    ks = keys.reshape(t_n, n, 2)
+    coef = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
+    rows = t_n * n
+    floats = torch.empty(2 * rows * d + 3 * rows, **f32)
+    x_out, g_out = floats[:rows * d].view(rows, d), floats[rows * d:2 * rows * d].view(rows, d)
+    e_out, accept, error = floats[2 * rows * d:].view(3, rows).unbind(0)
+    flags = torch.empty(2, rows, dtype=torch.bool)
+    ints = torch.empty(2, rows, dtype=torch.int64)
+    args = _Args(n, d, int(max_tree_depth), coef.numel(), int(uturn_extra_checks), ks.stride(1), ks.stride(2),
+                 0 if n_p == 1 else 1, 0 if n_p == 1 else m_el, int(dense),
+                 xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), imm.data_ptr(), mfac.data_ptr(),
+                 0, 0, ks.data_ptr(), coef.data_ptr(), float(divergence_threshold),
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
+                 flags.data_ptr(), flags.data_ptr() + rows, ints.data_ptr(), ints.data_ptr() + 8 * rows)
+    if rows:
+        pending = torch.empty(n, d, **f32)
+        left = ctypes.c_int64(0)
+        ctx = lib.fnebm_nuts_adapt_begin(ctypes.byref(args), ctypes.byref(ad), t_n, ks.stride(0), pending.data_ptr(),
+                                         ctypes.byref(left))
+        if not ctx:
+            raise MemoryError("the C NUTS kernel could not allocate its scratch")
+        try:
+            waiting = left.value
+            while True:
+                waiting = _trips(lib.fnebm_nuts_adapt_resume, ctx, waiting, pending, evaluate, chains, n, d)
+                if waiting == 0:
+                    break
+                # a window ends: the new metric and dual averaging, in torch (the adaptation's own code)
+                new_imm, new_w, new_da, new_h = window_end(w_mean.view(pool + (d,)), w_m2.view(pool + event),
+                                                           w_count.view(()), tuple(da.unbind(0)))
+                new_imm = new_imm.detach().to(torch.float32)
+                imm.copy_(new_imm.reshape(-1))
+                mfac.copy_(_metric(position, h.reshape(pool), new_imm.reshape(pool + event), dense,
+                                   coefficients)[2].reshape(-1))
+                for buf, value in zip((w_mean, w_m2, w_count), new_w):
+                    buf.copy_(value.detach().reshape(-1))
+                da.copy_(torch.stack([f.detach().to(torch.float32).reshape(n_p) for f in new_da]))
+                h.copy_(new_h.detach().reshape(-1))
+                waiting = lib.fnebm_nuts_adapt_next(ctx, pending.data_ptr())
+                if waiting == 0:
+                    break
+        finally:
+            lib.fnebm_nuts_end(ctx)
+    lead = (t_n,)
+    return Warmup(x_out.view(lead + tuple(position.shape)), e_out.view(lead + chains),
+                  g_out.view(lead + tuple(position.shape)), accept.view(lead + chains), flags[0].view(lead + chains),
+                  tuple(hist_da[:, i].reshape(lead + pool) for i in range(5)), hist_h.view(lead + pool),
+                  (hist_mean.view(lead + pool + (d,)), hist_m2.view(lead + pool + event), hist_count),
+                  hist_imm.view(lead + pool + event))
+
+
 def _metric(position: Tensor, step_size: Tensor, inverse_mass_matrix: Tensor, dense: bool,
             coefficients: Sequence[float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(h per chain or 0-dim, imm, the momentum's factor, coefficients)`` as the kernel reads them."""
@@ -359,14 +501,32 @@ def _drive(lib: ctypes.CDLL, args: _Args, n_trans: int, key_stride_t: int,
     if not ctx:
         raise MemoryError("the C NUTS kernel could not allocate its scratch")
     try:
-        waiting, at = left.value, pending.view(chains + (d,))
-        while waiting:
-            e, g = evaluate(at)
-            if not (isinstance(e, Tensor) and isinstance(g, Tensor) and e.numel() == n and g.numel() == n * d):
-                raise ValueError(f"the energy's evaluation at positions {tuple(at.shape)} must give energies "
-                                 f"{chains} and gradients {tuple(at.shape)}, got "
-                                 f"{tuple(getattr(e, 'shape', ()))} and {tuple(getattr(g, 'shape', ()))}")
-            e, g = _flat(e.cpu(), (n,)), _flat(g.cpu(), (n, d))
-            waiting = lib.fnebm_nuts_resume(ctx, e.data_ptr(), g.data_ptr(), pending.data_ptr())
+        _trips(lib.fnebm_nuts_resume, ctx, left.value, pending, evaluate, chains, n, d)
     finally:
         lib.fnebm_nuts_end(ctx)
+
+
+def _trips(resume: Callable, ctx: int, waiting: int, pending: Tensor,
+           evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], chains: tuple[int, ...], n: int, d: int) -> int:
+    """Evaluate at the kernel's pending rows and resume it until no chain waits (or ``resume`` returns a
+    negative code, returned to the caller). A trip is a few microseconds of C around the evaluation, so its
+    Python is kept short: outputs that are already float32, contiguous CPU tensors of the right sizes
+    (a compiled evaluation's) go to the kernel as they are, anything else is checked and converted."""
+    at, p_ptr, nd = pending.view(chains + (d,)), pending.data_ptr(), n * d
+    f32 = torch.float32
+    while waiting > 0:
+        e, g = evaluate(at)
+        if not (type(e) is Tensor and type(g) is Tensor and e.dtype is f32 and g.dtype is f32 and e.is_cpu
+                and g.is_cpu and e.numel() == n and g.numel() == nd and e.is_contiguous() and g.is_contiguous()):
+            e, g = _outputs(e, g, at, chains, n, d)
+        waiting = resume(ctx, e.data_ptr(), g.data_ptr(), p_ptr)
+    return waiting
+
+
+def _outputs(e: Any, g: Any, at: Tensor, chains: tuple[int, ...], n: int, d: int) -> tuple[Tensor, Tensor]:
+    """An evaluation's ``(E, grad)`` as contiguous float32 CPU tensors of ``n`` and ``n * d`` values."""
+    if not (isinstance(e, Tensor) and isinstance(g, Tensor) and e.numel() == n and g.numel() == n * d):
+        raise ValueError(f"the energy's evaluation at positions {tuple(at.shape)} must give energies "
+                         f"{chains} and gradients {tuple(at.shape)}, got "
+                         f"{tuple(getattr(e, 'shape', ()))} and {tuple(getattr(g, 'shape', ()))}")
+    return _flat(e.cpu(), (n,)), _flat(g.cpu(), (n, d))

@@ -278,9 +278,36 @@ def _kernel_many(step: Any, state: NUTSState, keys: Tensor) -> tuple[NUTSState, 
     return NUTSState(*out[:3]), NUTSInfo(*out[3:])
 
 
+def _kernel_warmup(step: Any, state: NUTSState, keys: Tensor, **adaptation: Any) -> tuple[NUTSState, Any] | None:
+    """``keys: (T, *chains, 2)``: ``T`` iterations of window adaptation around ``step``'s transition, in
+    C (:func:`fnebm.kernels.cpu_nuts.nuts_warmup`, ``adaptation`` its keywords), when the kernel runs
+    the transition on an energy it evaluates in torch: ``(the states stacked, the Warmup)``, else
+    ``None``. :mod:`fnebm.adaptation.window`'s eager iterations use it."""
+    kw = step.keywords
+    energy_fn = kw["energy_fn"]
+    if (kw["backend"] == "torch" or families.covers(energy_fn, families.C_NUTS) is None
+            or not isinstance(keys, Tensor) or keys.ndim < 2):
+        return None
+    fr.check_key(keys)
+    x = state.position
+    imm = kw["inverse_mass_matrix"]
+    if imm is None:
+        imm = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    reason, dense, imm = _why_not_c(state, keys[0], energy_fn, kw["step_size"], imm, kw["integrator"])
+    if reason is not None:
+        return None
+    evaluate = evaluator(energy_fn, keys.ndim - 2, kw["compile_energy"])
+    with evaluate.scope():
+        out = cpu_nuts.nuts_warmup(evaluate, x, state.energy, state.grad, keys, kw["step_size"], imm, dense,
+                                   max_tree_depth=kw["max_tree_depth"], coefficients=kw["integrator"],
+                                   divergence_threshold=kw["divergence_threshold"], **adaptation)
+    return NUTSState(out.position, out.energy, out.grad), out
+
+
 _step.kernel_reason = _kernel_reason  # the step's transition kernel check, read by fnebm.kernels.dispatch
 _step.kernel_traces = _kernel_traces
 _step.kernel_many = _kernel_many  # several transitions at once, read by fnebm.chain's eager loop
+_step.kernel_warmup = _kernel_warmup  # window adaptation's iterations at once, read by fnebm.adaptation.window
 
 
 def _why_not_c(state: NUTSState, key: Tensor, energy_fn, step_size: Tensor, inverse_mass_matrix,
