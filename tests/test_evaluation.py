@@ -84,6 +84,54 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
     assert fake.compiled == 1 and fake.calls == 2
 
 
+def test_auto_compiles_at_once_when_a_loop_expects_more_than_twice_a_compile(monkeypatch):
+    # a kernel's loop says how many evaluations it still expects (Evaluate.expect): once they would take
+    # EXPECTED_FACTOR times a compile at the current rate, "auto" compiles without spending its budget first
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 100.0)  # a budget these calls never spend
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    f = _fresh(energy)
+    x = fr.normal(fr.key(12), (3, 2))
+    ev = evaluation.evaluator(f, 1, "auto")
+    with ev.scope(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(evaluation.TUNE_CALLS):
+            ev(x)  # the rate is measured over these
+        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        ev.expect(0.5 * evaluation.EXPECTED_FACTOR * 100.0 / rate)  # half of what would pay: still eager
+        ev(x)
+        assert fake.compiled == 0
+        ev.expect(2.0 * evaluation.EXPECTED_FACTOR * 100.0 / rate)
+        with pytest.warns(evaluation.EnergyCompileNotice, match="this run expects about"):
+            got = ev(x)
+    assert fake.compiled == 1 and fake.backends == ["inductor"]
+    torch.testing.assert_close(got, evaluation.evaluator(f, 1, False)(x))
+    assert ev.ev.expected_calls is None  # the expectation ends with the loop
+
+
+def test_a_long_kernel_loop_tells_its_evaluator_what_it_expects(monkeypatch):
+    seen = []
+
+    class Recording:
+        def __call__(self, x):
+            return evaluation.evaluator(energy, 1, False)(x)
+
+        def expect(self, calls):
+            seen.append(calls)
+
+    monkeypatch.setattr(cpu_nuts, "_HINT_EVERY", 4)
+    x0 = fr.normal(fr.key(13), (4, 2))
+    e0, g0 = evaluation.evaluator(energy, 1, False)(x0)
+    keys = fr.split(fr.key(14), 200 * 4).reshape(200, 4, 2)
+    out = cpu_nuts.nuts_transitions(Recording(), x0, e0, g0, keys, torch.tensor(0.2), torch.ones(2), False,
+                                    max_tree_depth=6, coefficients=(0.5, 1.0, 0.5), divergence_threshold=1000.0)
+    trips = int(out[-1].sum(0).max())  # the longest chain's integrator steps: at least the loop's trips
+    assert len(seen) > 10 and all(s >= 0 for s in seen)
+    # every estimate is of the same order as what was left when it was made (the trees are alike here)
+    assert seen[0] < 2 * trips and seen[-1] < seen[0]
+
+
 def test_auto_traces_before_it_compiles(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)

@@ -581,6 +581,15 @@ static int64_t advance_all(nuts_ctx_t *s, float *pending) {
     return left;
 }
 
+/* the transitions every chain has finished, summed over chains */
+int64_t fnebm_nuts_done(void *ctx) {
+    const nuts_ctx_t *s = (const nuts_ctx_t *)ctx;
+    int64_t done = 0;
+    for (int64_t c = 0; c < s->a.n_chains; c++)
+        done += s->trans[c];
+    return done;
+}
+
 /* NULL when the scratch could not be allocated; *left: the chains that wait for an evaluation */
 void *fnebm_nuts_begin(const nuts_args_t *a, int64_t n_trans, int64_t key_stride_t, float *pending, int64_t *left) {
     nuts_ctx_t *s = (nuts_ctx_t *)calloc(1, sizeof(nuts_ctx_t));

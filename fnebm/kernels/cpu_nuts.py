@@ -79,6 +79,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_adapt_resume.restype = ctypes.c_int64
     lib.fnebm_nuts_adapt_next.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.fnebm_nuts_adapt_next.restype = ctypes.c_int64
+    lib.fnebm_nuts_done.argtypes = [ctypes.c_void_p]
+    lib.fnebm_nuts_done.restype = ctypes.c_int64
 
 
 # -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's two operations do (the
@@ -396,9 +398,10 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
         if not ctx:
             raise MemoryError("the C NUTS kernel could not allocate its scratch")
         try:
-            waiting = left.value
+            waiting, trips = left.value, [0]
             while True:
-                waiting = _trips(lib.fnebm_nuts_adapt_resume, ctx, waiting, pending, evaluate, chains, n, d)
+                waiting = _trips(lib.fnebm_nuts_adapt_resume, ctx, waiting, pending, evaluate, chains, n, d, trips,
+                                 t_n * n)
                 if waiting == 0:
                     break
                 # a window ends: the new metric and dual averaging, in torch (the adaptation's own code)
@@ -501,25 +504,43 @@ def _drive(lib: ctypes.CDLL, args: _Args, n_trans: int, key_stride_t: int,
     if not ctx:
         raise MemoryError("the C NUTS kernel could not allocate its scratch")
     try:
-        _trips(lib.fnebm_nuts_resume, ctx, left.value, pending, evaluate, chains, n, d)
+        _trips(lib.fnebm_nuts_resume, ctx, left.value, pending, evaluate, chains, n, d, [0], n_trans * n)
     finally:
         lib.fnebm_nuts_end(ctx)
 
 
+_HINT_EVERY = 256  # trips between two estimates of the evaluations a loop still needs (Evaluate.expect)
+
+
 def _trips(resume: Callable, ctx: int, waiting: int, pending: Tensor,
-           evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], chains: tuple[int, ...], n: int, d: int) -> int:
+           evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], chains: tuple[int, ...], n: int, d: int,
+           trips: list[int] | None = None, total: int = 0) -> int:
     """Evaluate at the kernel's pending rows and resume it until no chain waits (or ``resume`` returns a
     negative code, returned to the caller). A trip is a few microseconds of C around the evaluation, so its
     Python is kept short: outputs that are already float32, contiguous CPU tensors of the right sizes
-    (a compiled evaluation's) go to the kernel as they are, anything else is checked and converted."""
+    (a compiled evaluation's) go to the kernel as they are, anything else is checked and converted.
+
+    ``trips``: a one-element count of the loop's trips so far (kept across calls of one loop) and
+    ``total`` the transitions the loop runs, summed over chains: every :data:`_HINT_EVERY` trips, an
+    evaluator with ``expect`` is told the trips still to come at the rate so far, once 2% of the
+    transitions are done."""
     at, p_ptr, nd = pending.view(chains + (d,)), pending.data_ptr(), n * d
     f32 = torch.float32
+    expect = getattr(evaluate, "expect", None) if trips is not None and total > n else None
+    count = 0 if trips is None else trips[0]
     while waiting > 0:
         e, g = evaluate(at)
         if not (type(e) is Tensor and type(g) is Tensor and e.dtype is f32 and g.dtype is f32 and e.is_cpu
                 and g.is_cpu and e.numel() == n and g.numel() == nd and e.is_contiguous() and g.is_contiguous()):
             e, g = _outputs(e, g, at, chains, n, d)
         waiting = resume(ctx, e.data_ptr(), g.data_ptr(), p_ptr)
+        count += 1
+        if expect is not None and count % _HINT_EVERY == 0:
+            done = LIBRARY.load().fnebm_nuts_done(ctx)
+            if done * 50 >= total and done > 0:
+                expect(count * (total - done) / done)
+    if trips is not None:
+        trips[0] = count
     return waiting
 
 

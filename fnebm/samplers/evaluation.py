@@ -58,12 +58,16 @@ from fnebm import _checks
 from fnebm.gradients import value_and_grad
 
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
-           "TUNE_CALLS"]
+           "TUNE_CALLS", "EXPECTED_FACTOR"]
 
 AUTO_COMPILE_AFTER_S = 12.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
 # (a first energy compile measured here on a machine that had never compiled; module docstring)
 TRACE_AFTER_S = 0.5  # eager evaluation seconds after which "auto" traces the evaluation (no code generation)
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
+# "auto" compiles at once when the evaluations a kernel's loop still expects would take this many times
+# what a compile is expected to: then even compiled code half as fast as the eager tier's recovers the
+# compile, and a prediction off by this factor costs at most the compile
+EXPECTED_FACTOR = 2.0
 COMPILE_CHOICES = (True, False, "auto")
 _KEEP = 16
 
@@ -83,10 +87,14 @@ class _Evaluation:
         self.compiled: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
         self.failed: str | None = None
         self.eager_s = 0.0  # seconds of eager evaluations so far
+        self.recent: tuple[float, int] = (0.0, 0)  # (seconds, calls) of the current tier's calls (eager or traced)
+        self.expected_calls: float | None = None  # calls a kernel's loop expects still to make (Evaluate.expect)
         self.compile_s: float | None = None  # seconds of the compiled code's first call
         self.one_thread: bool | None = None  # None while the first calls are timed both ways
         self.trials: list[tuple[bool, float]] = []
-        self.scoped = False  # inside scope(): the threads are set for the whole loop
+        self.scoped = False  # inside scope(), one thread set for the rest of the loop
+        self.in_scope = False
+        self.scope_threads = 1  # torch's threads when the scope began
         self.traced: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None  # the middle tier ("auto")
         self.trace_failed = False
         # inside a scope: the compiled graph Dynamo chose at the scope's first call, called directly
@@ -99,20 +107,30 @@ class _Evaluation:
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """Around a loop of evaluations: one thread for all of them once that was measured faster
-        (setting torch's threads around every call cost about 90 us a call here)."""
+        (setting torch's threads around every call cost about 90 us a call here), from the scope's
+        start or from the call that decides it (a long loop, a warm-up in one kernel call, times its
+        first calls inside its scope)."""
         import torch
 
-        threads = torch.get_num_threads()
-        if not self.one_thread or threads == 1 or self.scoped:
+        if self.in_scope:  # nested: the outer scope holds the threads
             yield
             return
-        torch.set_num_threads(1)
-        self.scoped = True
+        self.in_scope, self.scope_threads = True, torch.get_num_threads()
         try:
+            self._scope_one_thread()
             yield
         finally:
-            self.scoped = False
-            torch.set_num_threads(threads)
+            if self.scoped:
+                torch.set_num_threads(self.scope_threads)
+            self.scoped = self.in_scope = False
+
+    def _scope_one_thread(self) -> None:
+        """Inside a scope, once one thread was measured faster: set it for the rest of the scope."""
+        import torch
+
+        if self.in_scope and not self.scoped and self.one_thread and self.scope_threads > 1:
+            torch.set_num_threads(1)
+            self.scoped = True
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[None]:
@@ -234,16 +252,20 @@ class _Evaluation:
                 if len(self.trials) >= TUNE_CALLS:
                     med = {k: sorted(s for o, s in self.trials if o == k)[len(self.trials) // 4] for k in (True, False)}
                     self.one_thread = med[True] < med[False]
+                    self._scope_one_thread()
         return out, seconds
 
-    def compile_now(self, announce: bool) -> None:
+    def compile_now(self, announce: bool, expected: float | None = None) -> None:
         if self.compiled is not None or self.failed is not None:
             return
         import torch
 
         if announce:
+            why = ("as long as a compile is expected to take" if expected is None else
+                   f"and this run expects about {expected:.3g} s more of them, over {EXPECTED_FACTOR:g} times what a "
+                   "compile is expected to take")
             warnings.warn(f"fnebm: compiling this energy's value and gradient now (its eager evaluations took "
-                          f"{self.eager_s:.3g} s so far, as long as a compile is expected to take; "
+                          f"{self.eager_s:.3g} s so far, {why}; "
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
                           "from the start.", EnergyCompileNotice, stacklevel=_outside_fnebm())
         self.compiled = torch.compile(self.entry, dynamic=False, backend=self._backend)
@@ -286,15 +308,26 @@ class _Evaluation:
                 return self.eager_call(x)
             self.eager_s += time.perf_counter() - t0
             self.one_thread, self.trials = None, []  # new code: time the threads again
+            self.recent = (0.0, 0)  # the traced tier's own rate from now on
             return out
         out, seconds = self.run(self._call_traced, x, tune)
         self.eager_s += seconds
+        self.recent = (self.recent[0] + seconds, self.recent[1] + 1)
         return out
 
     def eager_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         out, seconds = self.run(self.eager, x, tune)
         self.eager_s += seconds
+        self.recent = (self.recent[0] + seconds, self.recent[1] + 1)
         return out
+
+    def expected_s(self) -> float:
+        """Seconds the calls a kernel's loop still expects to make would take at the current tier's
+        rate (0 without an expectation or a rate)."""
+        seconds, calls = self.recent
+        if self.expected_calls is None or calls < TUNE_CALLS:
+            return 0.0
+        return self.expected_calls * seconds / calls
 
 
 _IDS = itertools.count()
@@ -377,20 +410,35 @@ class Evaluate:
             return pin[0](*pin[1])
         if self.mode is False or ev.failed is not None:
             return ev.eager_call(x, tune)
-        if self.mode == "auto" and ev.compiled is None and ev.eager_s >= compile_estimate():
-            ev.compile_now(announce=True)
+        if self.mode == "auto" and ev.compiled is None:
+            estimate = compile_estimate()
+            if ev.eager_s >= estimate:
+                ev.compile_now(announce=True)
+            elif ev.expected_s() >= EXPECTED_FACTOR * estimate:
+                ev.compile_now(announce=True, expected=ev.expected_s())
         if ev.compiled is not None:
             return ev.compiled_call(x, tune)
         if tune and not ev.trace_failed and (ev.traced is not None or ev.eager_s >= TRACE_AFTER_S):
             return ev.traced_call(x)
         return ev.eager_call(x, tune)
 
+    def expect(self, calls: float | None) -> None:
+        """A kernel's loop expects about ``calls`` more evaluations (``None``: no idea). Under ``"auto"``,
+        once those would take :data:`EXPECTED_FACTOR` times what a compile is expected to take at the
+        current rate, the evaluation compiles at once rather than after its budget: a long run (the
+        100-D Gaussian's warm-up, 155,000 evaluations) does not spend the whole budget on the slow tier
+        first. Reset when the loop's scope ends."""
+        self.ev.expected_calls = calls
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """Around a kernel's loop of evaluations: the compiled graph pinned for the loop (any mode),
         and under ``"auto"`` the thread count chosen by timing."""
-        with self.ev.pinned(), (self.ev.scope() if self.mode == "auto" else contextlib.nullcontext()):
-            yield
+        try:
+            with self.ev.pinned(), (self.ev.scope() if self.mode == "auto" else contextlib.nullcontext()):
+                yield
+        finally:
+            self.ev.expected_calls = None
 
 
 def evaluator(energy_fn: Any, chain_ndim: int, compile: bool | str = False) -> Evaluate:
