@@ -336,10 +336,14 @@ _IDS = itertools.count()
 def _fresh(fn: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     """A call of ``fn`` whose code object is its own. Dynamo keeps compiled graphs per code object
     (eight at most) and ``value_and_grad``'s functions share theirs across energies; so each
-    evaluator compiles a frame of its own, as ``sample_chain``'s runners do."""
+    evaluator compiles a frame of its own, as ``sample_chain``'s runners do. Its outputs are
+    contiguous: a compiled graph may otherwise give the gradient in the layout of a product it
+    transposed (the 100-D Gaussian's ``(4, 100)`` with strides ``(1, 4)``), which the C kernel's loop
+    then copied at every trip (about 8 us); asked in the graph, the last kernel writes it in place."""
 
     def evaluate(x: Tensor) -> tuple[Tensor, Tensor]:
-        return fn(x)
+        e, g = fn(x)
+        return e.contiguous(), g.contiguous()
 
     name = f"evaluate_{next(_IDS)}"
     code = evaluate.__code__.replace(co_name=name, co_qualname=name)
