@@ -189,7 +189,7 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     out = []
     for compile_energy in (False, True, "auto"):
         if compile_energy == "auto":
-            f = _fresh(energy)
+            compiled_f, f = f, _fresh(energy)
         alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy)
         state = torch.func.vmap(alg.init)(x0)
         for i in range(3):
@@ -200,6 +200,11 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
         torch.testing.assert_close(a.position, other.position, rtol=1e-4, atol=1e-5)
         assert torch.equal(ia.num_integration_steps, info.num_integration_steps)
     assert evaluation._evaluation(f, 1).traced is not None
+    # the compiled graph's outputs are contiguous (its products of 8 x 2 are computed transposed, which
+    # left the gradient with strides (1, 8), copied by the kernel's loop at every trip)
+    e, g = evaluation.evaluator(compiled_f, 1, True)(x0)
+    assert evaluation._evaluation(compiled_f, 1).compile_s is not None
+    assert e.is_contiguous() and g.is_contiguous()
 
 
 def _request(alg, state, keys):
