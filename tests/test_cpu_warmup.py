@@ -67,11 +67,13 @@ def _at(stacked, t):
     return pytree.tree_map(lambda f: f[t], stacked)
 
 
-@pytest.mark.parametrize("pooled,diagonal", [(True, True), (False, True), (True, False)])
-def test_each_iteration_is_the_kernels_transition_and_torchs_adaptation(pooled, diagonal):
+@pytest.mark.parametrize("pooled,diagonal,chains", [(True, True, (4,)), (False, True, (4,)), (True, False, (4,)),
+                                                    (False, False, (2, 2)), (True, True, (2, 3))])
+def test_each_iteration_is_the_kernels_transition_and_torchs_adaptation(pooled, diagonal, chains):
     warmup = fnebm.window_adaptation(fnebm.nuts, energy, 120, pooled=pooled, is_mass_matrix_diagonal=diagonal,
                                      initial_buffer=10, first_window=10, final_buffer=10)
-    adapt, states, infos, step = _stacked_run(warmup, _x0(), fr.key(11))
+    x0 = _x0(math.prod(chains)).reshape(chains + (SCALES.numel(),))
+    adapt, states, infos, step = _stacked_run(warmup, x0, fr.key(11))
     kw = step.keywords
     T = infos.acceptance_rate.shape[0]
     ends = [t for t in range(T) if bool(W.stages(adapt.schedule, torch.tensor(t))[1])]
@@ -104,7 +106,8 @@ def test_each_iteration_is_the_kernels_transition_and_torchs_adaptation(pooled, 
             checked_transitions += 1
     assert checked_transitions >= 12 + len(ends)
     # pooled: one step size and metric; else one per chain
-    assert infos.step_size.shape == ((T,) if pooled else (T, 4))
+    assert infos.step_size.shape == ((T,) if pooled else (T,) + chains)
+    assert infos.acceptance_rate.shape == (T,) + chains
 
 
 def test_the_warmup_takes_the_c_iterations_and_agrees_with_torchs(monkeypatch):
