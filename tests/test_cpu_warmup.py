@@ -45,7 +45,8 @@ def _run(warmup, x0, key, c_path: bool, monkeypatch=None):
 def _stacked_run(warmup, x0, key):
     """The C path's stacked states and infos for the whole warm-up, from ``_adapt_many`` directly."""
     adapt = warmup.init(x0)
-    step, _ = W._eager_transitions(warmup.step, adapt, False)
+    step, _, evaluated = W._eager_transitions(warmup.step, adapt, False)
+    assert evaluated
     n = int(warmup.schedule.slow_stop) + 5  # past the last window
     keys = fr.fold_in(key, torch.arange(n))
     states, infos, a = [], [], 0
@@ -120,8 +121,10 @@ def test_the_warmup_takes_the_c_iterations_and_agrees_with_torchs(monkeypatch):
 
     monkeypatch.setattr(cpu_nuts, "nuts_warmup", counted)
     warmup = fnebm.window_adaptation(fnebm.nuts, energy, 120)
-    c = warmup.run(_x0(), fr.key(5), compile=False)
+    plans = []
+    c = warmup.run(_x0(), fr.key(5), compile=False, on_plan=plans.append)
     assert calls, "window_adaptation.run did not take the C iterations"
+    assert plans and "the adaptation (dual averaging, Welford) in the C kernel" in plans[0].reason
     monkeypatch.setattr(W._adapt_step, "kernel_many", None)
     py = warmup.run(_x0(), fr.key(5), compile=False)
     assert len(calls) == 1

@@ -328,21 +328,12 @@ def _adapt_many(step: functools.partial, adapt: WindowAdaptationState,
     module's code). An iteration's Python (building the sampler, a dozen small tensor operations)
     cost more than its transition on a small posterior (about 0.6 ms against 0.2 ms on eight schools)."""
     kw = step.keywords
+    inner = _c_iterations(step, adapt)
+    if inner is None or not isinstance(keys, Tensor) or keys.ndim != 2:
+        return None
+    hook = inner.func.kernel_warmup
     position = adapt.state.position
-    if not isinstance(position, Tensor) or not isinstance(keys, Tensor) or keys.ndim != 2:
-        return None
     chains, d = tuple(position.shape[:-1]), position.shape[-1]
-    wrap = Diagonal if kw["diagonal"] else Dense
-    try:
-        inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix),
-                                **_extra_for(kw["extra"], kw["steps_rule"], d)).step
-    except (TypeError, ValueError):
-        return None
-    hook = getattr(getattr(inner, "func", None), "kernel_warmup", None)
-    fields = [*adapt.dual_averaging, *adapt.welford, adapt.step_size, adapt.inverse_mass_matrix, adapt.target]
-    if hook is None or any(not isinstance(f, Tensor) or f.dtype != torch.float32 or f.device.type != "cpu"
-                           or (f.requires_grad and torch.is_grad_enabled()) for f in fields):
-        return None
     n, pool = math.prod(chains), tuple(adapt.step_size.shape)
     n_p, m_el = math.prod(pool), d if kw["diagonal"] else d * d
     per_iteration = n * (2 * d + 5) + n_p * (7 + d + 2 * m_el) + 1
@@ -379,11 +370,51 @@ def _adapt_many(step: functools.partial, adapt: WindowAdaptationState,
 _adapt_step.kernel_many = _adapt_many  # several iterations at once, read by fnebm.chain's eager loop
 
 
-def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState, compile: Any) -> tuple[Any, Any]:
-    """``(step, compile)`` for the run: eager iterations when the sampler's transition returns to Python
-    between its steps (NUTS in C on an energy the kernel does not compute itself, whose
-    ``step.func.kernel_traces`` says so); ``compile`` then says whether those evaluations are
-    compiled (``compile_energy``). Anything else runs as asked."""
+def _c_iterations(step: functools.partial, adapt: WindowAdaptationState) -> Any:
+    """The sampler's step built for ``adapt`` when :func:`_adapt_many` can take the warm-up's iterations
+    (the step has a ``kernel_warmup``, and the adaptation's state is float32 on the CPU with no gradient
+    through it), else ``None``; the transition's own conditions are its ``kernel_warmup``'s to check."""
+    kw = step.keywords
+    position = adapt.state.position
+    if not isinstance(position, Tensor):
+        return None
+    wrap = Diagonal if kw["diagonal"] else Dense
+    try:
+        inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix),
+                                **_extra_for(kw["extra"], kw["steps_rule"], position.shape[-1])).step
+    except (TypeError, ValueError):
+        return None
+    fields = [*adapt.dual_averaging, *adapt.welford, adapt.step_size, adapt.inverse_mass_matrix, adapt.target]
+    if getattr(getattr(inner, "func", None), "kernel_warmup", None) is None or any(
+            not isinstance(f, Tensor) or f.dtype != torch.float32 or f.device.type != "cpu"
+            or (f.requires_grad and torch.is_grad_enabled()) for f in fields):
+        return None
+    return inner
+
+
+def _say_c_iterations(on_plan: Callable, step: functools.partial) -> Callable:
+    """``on_plan`` told what runs when the C kernel takes the warm-up's iterations (the runner's own
+    reason only says that its steps are eager)."""
+    how = step.keywords["extra"].get("compile_energy", "auto")
+    name = getattr(_unwrap(step.keywords["algorithm"])[0], "__name__", "the sampler")
+    note = (f"eager iterations: each {name} transition and the adaptation (dual averaging, Welford) in the C "
+            f"kernel, which evaluates the energy in torch between its steps (compile_energy={how!r}); each "
+            "window's end in torch")
+
+    def said(plan: Any) -> Any:
+        if hasattr(plan, "_replace") and not getattr(plan, "compiled", True):
+            plan = plan._replace(reason=note)
+        return on_plan(plan)
+
+    return said
+
+
+def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState,
+                       compile: Any) -> tuple[Any, Any, bool]:
+    """``(step, compile, evaluated)`` for the run: eager iterations when the sampler's transition returns
+    to Python between its steps (NUTS in C on an energy the kernel does not compute itself, whose
+    ``step.func.kernel_traces`` says so; ``evaluated`` is then True); ``compile`` then says whether
+    those evaluations are compiled (``compile_energy``). Anything else runs as asked."""
     kw = step.keywords
     position = adapt.state.position
     chains, d = tuple(position.shape[:-1]), position.shape[-1]
@@ -392,17 +423,17 @@ def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState, co
     try:
         inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix), **extra).step
     except (TypeError, ValueError):  # the warm-up's own step says what is wrong, as it always has
-        return step, True if compile is None else compile
+        return step, True if compile is None else compile, False
     func = getattr(inner, "func", None)
     traces, reason = getattr(func, "kernel_traces", None), getattr(func, "kernel_reason", None)
     keys = torch.zeros(chains + (2,), dtype=torch.int64, device=position.device)
     if compile is not None and compile is not True and compile is not False and compile != "auto":
-        return step, compile  # the runner names what is wrong with it
+        return step, compile, False  # the runner names what is wrong with it
     if traces is None or reason is None or traces(inner) or reason(inner, adapt.state, keys) is not None:
-        return step, True if compile is None else compile
+        return step, True if compile is None else compile, False
     if compile is not None and compile != "auto" and "compile_energy" not in kw["extra"]:
         step = functools.partial(step.func, *step.args, **{**kw, "extra": {**kw["extra"], "compile_energy": bool(compile)}})
-    return step, False
+    return step, False, True
 
 
 def _schedule_index(adapt: WindowAdaptationState) -> Tensor:
@@ -635,7 +666,9 @@ def window_adaptation(
             raise ValueError(f"key must be one key of shape (2,) (the warm-up splits it over the chains), "
                              f"got shape {tuple(key.shape)}")
         adapt = init(position_or_state)
-        run_step, compile = _eager_transitions(step, adapt, compile)
+        run_step, compile, evaluated = _eager_transitions(step, adapt, compile)
+        if on_plan is not None and evaluated and _c_iterations(run_step, adapt) is not None:
+            on_plan = _say_c_iterations(on_plan, run_step)
         # the whole ensemble is one "chain" of the runner (no chain axes): pooled fields have no
         # chain axis, and the step splits its key over the chains
         adapted, _, info = runner(run_step, adapt, key, num_steps, collect=_schedule_index, compile=compile, cache=cache,
