@@ -370,22 +370,28 @@ def _adapt_many(step: functools.partial, adapt: WindowAdaptationState,
 _adapt_step.kernel_many = _adapt_many  # several iterations at once, read by fnebm.chain's eager loop
 
 
+def _inner_step(step: functools.partial, adapt: WindowAdaptationState) -> Any:
+    """The sampler's step with the warm-up's current step size and metric (what an iteration of
+    ``step``, a partial of :func:`_adapt_step`, runs), or ``None`` where building it fails (the
+    iteration itself then says why)."""
+    kw = step.keywords
+    wrap = Diagonal if kw["diagonal"] else Dense
+    try:
+        return kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix),
+                               **_extra_for(kw["extra"], kw["steps_rule"], adapt.state.position.shape[-1])).step
+    except (TypeError, ValueError):
+        return None
+
+
 def _c_iterations(step: functools.partial, adapt: WindowAdaptationState) -> Any:
     """The sampler's step built for ``adapt`` when :func:`_adapt_many` can take the warm-up's iterations
     (the step has a ``kernel_warmup``, and the adaptation's state is float32 on the CPU with no gradient
     through it), else ``None``; the transition's own conditions are its ``kernel_warmup``'s to check."""
-    kw = step.keywords
-    position = adapt.state.position
-    if not isinstance(position, Tensor):
+    if not isinstance(adapt.state.position, Tensor):
         return None
-    wrap = Diagonal if kw["diagonal"] else Dense
-    try:
-        inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix),
-                                **_extra_for(kw["extra"], kw["steps_rule"], position.shape[-1])).step
-    except (TypeError, ValueError):
-        return None
+    inner = _inner_step(step, adapt)
     fields = [*adapt.dual_averaging, *adapt.welford, adapt.step_size, adapt.inverse_mass_matrix, adapt.target]
-    if getattr(getattr(inner, "func", None), "kernel_warmup", None) is None or any(
+    if inner is None or getattr(getattr(inner, "func", None), "kernel_warmup", None) is None or any(
             not isinstance(f, Tensor) or f.dtype != torch.float32 or f.device.type != "cpu"
             or (f.requires_grad and torch.is_grad_enabled()) for f in fields):
         return None
@@ -417,12 +423,9 @@ def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState,
     those evaluations are compiled (``compile_energy``). Anything else runs as asked."""
     kw = step.keywords
     position = adapt.state.position
-    chains, d = tuple(position.shape[:-1]), position.shape[-1]
-    wrap = Diagonal if kw["diagonal"] else Dense
-    extra = _extra_for(kw["extra"], kw["steps_rule"], d)
-    try:
-        inner = kw["algorithm"](kw["energy_fn"], adapt.step_size, wrap(adapt.inverse_mass_matrix), **extra).step
-    except (TypeError, ValueError):  # the warm-up's own step says what is wrong, as it always has
+    chains = tuple(position.shape[:-1])
+    inner = _inner_step(step, adapt)
+    if inner is None:  # the warm-up's own step says what is wrong, as it always has
         return step, True if compile is None else compile, False
     func = getattr(inner, "func", None)
     traces, reason = getattr(func, "kernel_traces", None), getattr(func, "kernel_reason", None)
