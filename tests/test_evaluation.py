@@ -110,6 +110,34 @@ def test_auto_compiles_at_once_when_a_loop_expects_more_than_twice_a_compile(mon
     assert ev.ev.expected_calls is None  # the expectation ends with the loop
 
 
+def test_new_code_inside_a_one_thread_scope_is_timed_again(monkeypatch):
+    # a scope on one thread (measured faster for the eager tier) that compiles: the compiled code gets
+    # torch's threads back until its own timing decides, then one thread again if that is faster
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    ev = evaluation.evaluator(_fresh(energy), 1, "auto")
+    x = fr.normal(fr.key(15), (3, 2))
+    restore = torch.get_num_threads()
+    torch.set_num_threads(2)  # the tests run on one thread (conftest); a scope needs more to give one up
+    try:
+        with ev.scope():
+            ev.ev.one_thread = True
+            ev.ev._scope_one_thread()
+            assert torch.get_num_threads() == 1
+            ev.ev.compile_now(announce=False)
+            ev(x)  # the compiled code's first call
+            assert ev.ev.compile_s is not None and ev.ev.one_thread is None
+            assert torch.get_num_threads() == 2
+            for _ in range(evaluation.TUNE_CALLS):
+                ev(x)
+            assert ev.ev.one_thread is not None  # timed again, decided
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(restore)
+
+
 def test_a_long_kernel_loop_tells_its_evaluator_what_it_expects(monkeypatch):
     seen = []
 

@@ -323,9 +323,10 @@ def _adapt_many(step: functools.partial, adapt: WindowAdaptationState,
     evaluates in torch and the sampler can run the warm-up's iterations there too (its step's
     ``kernel_warmup``: NUTS, :func:`fnebm.kernels.cpu_nuts.nuts_warmup`); ``None`` otherwise (the
     iterations then run one at a time). The same iterations as :func:`_adapt_step`'s from the same
-    keys: the transitions bit for bit, dual averaging and Welford's update in C in float32 (to float
-    rounding: a mean over chains may sum in another order), each window's end in torch (this
-    module's code). An iteration's Python (building the sampler, a dozen small tensor operations)
+    keys to float rounding: each transition the kernel's, bit for bit, from its state, step size and
+    metric; dual averaging and Welford's update in C in float32 in torch's order of operations (C's
+    ``sqrt`` and ``exp`` and a mean over many chains can differ from torch's in the last bit, and the
+    trajectories then part), each window's end in torch (this module's code). An iteration's Python (building the sampler, a dozen small tensor operations)
     cost more than its transition on a small posterior (about 0.6 ms against 0.2 ms on eight schools)."""
     kw = step.keywords
     inner = _c_iterations(step, adapt)

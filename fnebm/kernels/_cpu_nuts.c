@@ -513,14 +513,15 @@ int fnebm_nuts_step(const nuts_args_t *a, int family, int n_threads) {
  * takes iteration t's transition with the step size and metric in force, then (all chains done: the
  * pooled statistics need every chain) dual averaging (fnebm/adaptation/step_size.py's update) and, in
  * a slow window, Welford's update (mass_matrix.py's) run here, in float32, in torch's order of
- * operations (reductions over chains may round differently). A window's end returns to Python, which
+ * operations (torch's sqrt and exp are not C's, and a sum over many chains may add in another order: the
+ * last bit can differ). A window's end returns to Python, which
  * computes the new metric and restarts dual averaging (mass_matrix.final, step_size.init) in torch
  * and writes them into these buffers. The step size of the next iteration is exp(log_step_size). */
 typedef struct {
     int64_t n_da;             /* step sizes: 1 (pooled) or n_chains */
     int64_t n_w;              /* Welford statistics: 1 (pooled) or n_chains */
     const int8_t *slow, *end; /* per iteration of the call: the draw feeds the statistic; it ends a window */
-    float target, t0, gamma, kappa;
+    double target, t0, gamma, kappa; /* Python floats: used as torch uses them (float32, pow in double) */
     float *da;                /* 5 x n_da: log_step_size, log_step_size_avg, avg_error, mu, count */
     float *h;                 /* n_da: the step size in use (the args' h_ptr) */
     float *w_mean, *w_m2, *w_count; /* n_w x d, n_w x d (x d when dense), 1 */
@@ -539,6 +540,7 @@ typedef struct {
     int64_t stride, n_trans, key_stride_t;
     int adapt;      /* iterations of window adaptation (ad), all chains at one iteration */
     adapt_args_t ad;
+    float *scratch; /* 2 d floats for Welford's update */
 } nuts_ctx_t;
 
 void fnebm_nuts_end(void *ctx) {
@@ -549,6 +551,7 @@ void fnebm_nuts_end(void *ctx) {
     free(s->bufs);
     free(s->waiting);
     free(s->trans);
+    free(s->scratch);
     free(s);
 }
 
@@ -652,7 +655,7 @@ static void adapt_update(nuts_ctx_t *s, int64_t t) {
         const float nn = na + (float)nb;
         const float frac = (1.0f / nn) * (float)nb;  /* n_b / n: torch's reciprocal, then the product */
         const float weight = na * (float)nb / nn;
-        float *mb = (float *)malloc(sizeof(float) * 2 * d);
+        float *mb = s->scratch;
         float *delta = mb + d;
         for (int64_t k = 0; k < nw; k++) {
             const float *xk = x_row + k * nb * d;
@@ -685,7 +688,6 @@ static void adapt_update(nuts_ctx_t *s, int64_t t) {
             for (int64_t j = 0; j < d; j++)
                 mean[j] = mean[j] + delta[j] * frac;
         }
-        free(mb);
         ad->w_count[0] = nn;
     }
     /* dual averaging (step_size.update), each step size on the mean statistic of its chains */
@@ -700,10 +702,11 @@ static void adapt_update(nuts_ctx_t *s, int64_t t) {
         const float mu = ad->da[3 * nda + k];
         float *count = ad->da + 4 * nda + k;
         const float tt = *count + 1.0f;
-        const float eta = 1.0f / (tt + ad->t0);
-        *err = (1.0f - eta) * *err + eta * (ad->target - acc);
-        *log_h = mu - sqrtf(tt) / ad->gamma * *err;
-        const float w = powf(tt, -ad->kappa);
+        const float eta = 1.0f / (tt + (float)ad->t0);
+        *err = (1.0f - eta) * *err + eta * ((float)ad->target - acc);
+        *log_h = mu - sqrtf(tt) / (float)ad->gamma * *err;
+        /* t ** -kappa: torch raises a float32 0-dim tensor to a Python float in double, then rounds */
+        const float w = (float)pow((double)tt, -ad->kappa);
         *log_h_avg = w * *log_h + (1.0f - w) * *log_h_avg;
         *count = tt;
         ad->h[k] = expf(*log_h);
@@ -764,6 +767,11 @@ void *fnebm_nuts_adapt_begin(const nuts_args_t *a, const adapt_args_t *ad, int64
     nuts_ctx_t *s = (nuts_ctx_t *)fnebm_nuts_begin(a, 0, key_stride_t, pending, left); /* starts iteration 0 */
     if (s == NULL)
         return NULL;
+    s->scratch = (float *)malloc(sizeof(float) * (size_t)(2 * (a->d > 0 ? a->d : 1)));
+    if (s->scratch == NULL) {
+        fnebm_nuts_end(s);
+        return NULL;
+    }
     /* fnebm_nuts_begin ran with n_trans = 1 (a finished chain stopped); the call runs n_iter */
     s->n_trans = n_iter > 0 ? n_iter : 1;
     s->adapt = 1;

@@ -56,7 +56,7 @@ class _Args(ctypes.Structure):
 class _AdaptArgs(ctypes.Structure):
     _fields_ = (
         [("n_da", ctypes.c_int64), ("n_w", ctypes.c_int64), ("slow", ctypes.c_void_p), ("end", ctypes.c_void_p)]
-        + [(n, ctypes.c_float) for n in ("target", "t0", "gamma", "kappa")]
+        + [(n, ctypes.c_double) for n in ("target", "t0", "gamma", "kappa")]
         + [(n, ctypes.c_void_p) for n in ("da", "h", "w_mean", "w_m2", "w_count", "imm", "hist_da", "hist_h",
                                           "hist_mean", "hist_m2", "hist_count", "hist_imm", "at")]
     )
@@ -333,7 +333,7 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
     transition :func:`nuts_step` takes with ``keys[t]``, the step size and the metric in force; then
     dual averaging (toward ``target``, with ``t0``, ``gamma``, ``kappa``) and, where ``slow[t]``,
     Welford's update run in C (:mod:`fnebm.adaptation`'s ``update`` functions, in float32 and their
-    order of operations; a mean over chains may round differently). Where ``end[t]``,
+    order of operations; torch's ``sqrt`` and ``exp`` and a mean over many chains can differ in the last bit). Where ``end[t]``,
     ``window_end(mean, m2, count, dual_averaging) -> (inverse_mass_matrix, (mean, m2, count),
     dual_averaging, step_size)`` gives the state after the window in torch (the adaptation's own
     code), and the iterations go on from it.

@@ -124,6 +124,16 @@ class _Evaluation:
                 torch.set_num_threads(self.scope_threads)
             self.scoped = self.in_scope = False
 
+    def _retune(self) -> None:
+        """New code (traced or compiled): its threads are timed again, inside a scope too (which gives
+        back torch's threads until the new timing says one is faster)."""
+        import torch
+
+        self.one_thread, self.trials = None, []
+        if self.scoped:
+            torch.set_num_threads(self.scope_threads)
+            self.scoped = False
+
     def _scope_one_thread(self) -> None:
         """Inside a scope, once one thread was measured faster: set it for the rest of the scope."""
         import torch
@@ -288,7 +298,7 @@ class _Evaluation:
         from fnebm import _inductor
 
         _inductor.record_compile_s("energy", self.compile_s)
-        self.one_thread, self.trials = None, []  # compiled code: time the threads again
+        self._retune()  # compiled code: time the threads again
         return out
 
     def traced_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
@@ -307,7 +317,7 @@ class _Evaluation:
                 self.traced, self.trace_failed = None, True
                 return self.eager_call(x)
             self.eager_s += time.perf_counter() - t0
-            self.one_thread, self.trials = None, []  # new code: time the threads again
+            self._retune()  # new code: time the threads again
             self.recent = (0.0, 0)  # the traced tier's own rate from now on
             return out
         out, seconds = self.run(self._call_traced, x, tune)
