@@ -263,6 +263,7 @@ class _Evaluation:
                     med = {k: sorted(s for o, s in self.trials if o == k)[len(self.trials) // 4] for k in (True, False)}
                     self.one_thread = med[True] < med[False]
                     self._scope_one_thread()
+                    self.recent = (0.0, 0)  # the rate on the threads chosen, not the trials' mix
         return out, seconds
 
     def compile_now(self, announce: bool, expected: float | None = None) -> None:
@@ -335,8 +336,8 @@ class _Evaluation:
         """Seconds the calls a kernel's loop still expects to make would take at the current tier's
         rate (0 without an expectation or a rate)."""
         seconds, calls = self.recent
-        if self.expected_calls is None or calls < TUNE_CALLS:
-            return 0.0
+        if self.expected_calls is None or self.one_thread is None or calls < TUNE_CALLS:
+            return 0.0  # no expectation, or the threads still being timed (a trial on the slower is no rate)
         return self.expected_calls * seconds / calls
 
 
