@@ -621,8 +621,7 @@ void *fnebm_nuts_begin(const nuts_args_t *a, int64_t n_trans, int64_t key_stride
 
 /* energy: (n_chains,), grad: (n_chains, d) at the rows of `pending` fnebm_nuts_begin or the last
  * call wrote; returns the chains that still wait */
-int64_t fnebm_nuts_resume(void *ctx, const float *energy, const float *grad, float *pending) {
-    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+static void take_evaluation(nuts_ctx_t *s, const float *energy, const float *grad) {
     const int64_t d = s->a.d;
     for (int64_t c = 0; c < s->a.n_chains; c++) {
         if (!s->waiting[c])
@@ -630,6 +629,11 @@ int64_t fnebm_nuts_resume(void *ctx, const float *energy, const float *grad, flo
         memcpy(s->trees[c].ng, grad + c * d, sizeof(float) * d);
         s->trees[c].nu = energy[c];
     }
+}
+
+int64_t fnebm_nuts_resume(void *ctx, const float *energy, const float *grad, float *pending) {
+    nuts_ctx_t *s = (nuts_ctx_t *)ctx;
+    take_evaluation(s, energy, grad);
     return advance_all(s, pending);
 }
 
@@ -795,12 +799,6 @@ int64_t fnebm_nuts_adapt_next(void *ctx, float *pending) {
 /* as fnebm_nuts_resume, in a warm-up: the evaluation, then on (-1 at a window's end) */
 int64_t fnebm_nuts_adapt_resume(void *ctx, const float *energy, const float *grad, float *pending) {
     nuts_ctx_t *s = (nuts_ctx_t *)ctx;
-    const int64_t d = s->a.d;
-    for (int64_t c = 0; c < s->a.n_chains; c++) {
-        if (!s->waiting[c])
-            continue;
-        memcpy(s->trees[c].ng, grad + c * d, sizeof(float) * d);
-        s->trees[c].nu = energy[c];
-    }
+    take_evaluation(s, energy, grad);
     return adapt_run(s, pending);
 }

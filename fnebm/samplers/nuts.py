@@ -251,12 +251,10 @@ def _kernel_traces(step: Any) -> bool:
     return families.covers(step.keywords["energy_fn"], families.C_NUTS) is None
 
 
-def _kernel_many(step: Any, state: NUTSState, keys: Tensor) -> tuple[NUTSState, NUTSInfo] | None:
-    """``keys: (T, *chains, 2)``: the ``T`` transitions of ``step`` from ``state``, stacked, when the C
-    kernel runs them on an energy it evaluates in torch (:func:`fnebm.kernels.cpu_nuts.nuts_transitions`:
-    each chain goes on to its next transition without waiting for the others' trees; the same
-    transitions as ``T`` calls of the step, bit for bit); ``None`` when the step would not take
-    that kernel (then call it ``T`` times). Eager runs of ``sample_chain`` use it."""
+def _run_evaluated(step: Any, state: NUTSState, keys: Tensor, kernel: Callable[..., Any], **extra: Any) -> Any:
+    """``kernel`` (:func:`fnebm.kernels.cpu_nuts.nuts_transitions` or ``nuts_warmup``) on ``keys: (T,
+    *chains, 2)`` from ``state`` with ``step``'s parameters and an evaluator of its energy, when the C
+    kernel runs ``step``'s transition on an energy it evaluates in torch; else ``None``."""
     kw = step.keywords
     energy_fn = kw["energy_fn"]
     if (kw["backend"] == "torch" or families.covers(energy_fn, families.C_NUTS) is None
@@ -272,10 +270,19 @@ def _kernel_many(step: Any, state: NUTSState, keys: Tensor) -> tuple[NUTSState, 
         return None
     evaluate = evaluator(energy_fn, keys.ndim - 2, kw["compile_energy"])
     with evaluate.scope():
-        out = cpu_nuts.nuts_transitions(evaluate, x, state.energy, state.grad, keys, kw["step_size"], imm, dense,
-                                        max_tree_depth=kw["max_tree_depth"], coefficients=kw["integrator"],
-                                        divergence_threshold=kw["divergence_threshold"])
-    return NUTSState(*out[:3]), NUTSInfo(*out[3:])
+        return kernel(evaluate, x, state.energy, state.grad, keys, kw["step_size"], imm, dense,
+                      max_tree_depth=kw["max_tree_depth"], coefficients=kw["integrator"],
+                      divergence_threshold=kw["divergence_threshold"], **extra)
+
+
+def _kernel_many(step: Any, state: NUTSState, keys: Tensor) -> tuple[NUTSState, NUTSInfo] | None:
+    """``keys: (T, *chains, 2)``: the ``T`` transitions of ``step`` from ``state``, stacked, when the C
+    kernel runs them on an energy it evaluates in torch (:func:`fnebm.kernels.cpu_nuts.nuts_transitions`:
+    each chain goes on to its next transition without waiting for the others' trees; the same
+    transitions as ``T`` calls of the step, bit for bit); ``None`` when the step would not take
+    that kernel (then call it ``T`` times). Eager runs of ``sample_chain`` use it."""
+    out = _run_evaluated(step, state, keys, cpu_nuts.nuts_transitions)
+    return None if out is None else (NUTSState(*out[:3]), NUTSInfo(*out[3:]))
 
 
 def _kernel_warmup(step: Any, state: NUTSState, keys: Tensor, **adaptation: Any) -> tuple[NUTSState, Any] | None:
@@ -283,25 +290,8 @@ def _kernel_warmup(step: Any, state: NUTSState, keys: Tensor, **adaptation: Any)
     C (:func:`fnebm.kernels.cpu_nuts.nuts_warmup`, ``adaptation`` its keywords), when the kernel runs
     the transition on an energy it evaluates in torch: ``(the states stacked, the Warmup)``, else
     ``None``. :mod:`fnebm.adaptation.window`'s eager iterations use it."""
-    kw = step.keywords
-    energy_fn = kw["energy_fn"]
-    if (kw["backend"] == "torch" or families.covers(energy_fn, families.C_NUTS) is None
-            or not isinstance(keys, Tensor) or keys.ndim < 2):
-        return None
-    fr.check_key(keys)
-    x = state.position
-    imm = kw["inverse_mass_matrix"]
-    if imm is None:
-        imm = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    reason, dense, imm = _why_not_c(state, keys[0], energy_fn, kw["step_size"], imm, kw["integrator"])
-    if reason is not None:
-        return None
-    evaluate = evaluator(energy_fn, keys.ndim - 2, kw["compile_energy"])
-    with evaluate.scope():
-        out = cpu_nuts.nuts_warmup(evaluate, x, state.energy, state.grad, keys, kw["step_size"], imm, dense,
-                                   max_tree_depth=kw["max_tree_depth"], coefficients=kw["integrator"],
-                                   divergence_threshold=kw["divergence_threshold"], **adaptation)
-    return NUTSState(out.position, out.energy, out.grad), out
+    out = _run_evaluated(step, state, keys, cpu_nuts.nuts_warmup, **adaptation)
+    return None if out is None else (NUTSState(out.position, out.energy, out.grad), out)
 
 
 _step.kernel_reason = _kernel_reason  # the step's transition kernel check, read by fnebm.kernels.dispatch
