@@ -358,8 +358,10 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
     # the buffers C reads and writes: the step size and metric in use, dual averaging, Welford
     h = step_size.detach().to(torch.float32).reshape(n_p).clone()
     imm = inverse_mass_matrix.detach().to(torch.float32).reshape(n_p * m_el).clone()
-    mfac = torch.empty_like(imm)
-    mfac.copy_(_metric(position, h.reshape(pool), imm.view(pool + event), dense, coefficients)[2].reshape(-1))
+    def factor(metric: Tensor) -> Tensor:  # the momentum's factor of an inverse mass matrix, flat
+        return _metric(position, h.reshape(pool), metric.reshape(pool + event), dense, coefficients)[2].reshape(-1)
+
+    mfac = factor(imm).contiguous()
     da = torch.stack([f.detach().to(torch.float32).reshape(n_p) for f in dual_averaging]).contiguous()
     w_mean = welford[0].detach().to(torch.float32).reshape(n_p * d).clone()
     w_m2 = welford[1].detach().to(torch.float32).reshape(n_p * m_el).clone()
@@ -375,22 +377,12 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
                     imm.data_ptr(), hist_da.data_ptr(), hist_h.data_ptr(), hist_mean.data_ptr(), hist_m2.data_ptr(),
                     hist_count.data_ptr(), hist_imm.data_ptr(), at.data_ptr())
 
-    xs, gs, es = _flat(position, (n, d)), _flat(grad, (n, d)), _flat(energy, (n,))
     ks = keys.reshape(t_n, n, 2)
     coef = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
-    rows = t_n * n
-    floats = torch.empty(2 * rows * d + 3 * rows, **f32)
-    x_out, g_out = floats[:rows * d].view(rows, d), floats[rows * d:2 * rows * d].view(rows, d)
-    e_out, accept, error = floats[2 * rows * d:].view(3, rows).unbind(0)
-    flags = torch.empty(2, rows, dtype=torch.bool)
-    ints = torch.empty(2, rows, dtype=torch.int64)
-    args = _Args(n, d, int(max_tree_depth), coef.numel(), int(uturn_extra_checks), ks.stride(1), ks.stride(2),
-                 0 if n_p == 1 else 1, 0 if n_p == 1 else m_el, int(dense),
-                 xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), imm.data_ptr(), mfac.data_ptr(),
-                 0, 0, ks.data_ptr(), coef.data_ptr(), float(divergence_threshold),
-                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
-                 flags.data_ptr(), flags.data_ptr() + rows, ints.data_ptr(), ints.data_ptr() + 8 * rows)
-    if rows:
+    args, alive, outs = _launch(  # alive: what args points into, held until the loop ends
+        position, energy, grad, ks, h, 0 if n_p == 1 else 1, imm, 0 if n_p == 1 else m_el, mfac, coef, dense,
+        max_tree_depth, divergence_threshold, uturn_extra_checks)
+    if t_n * n:
         pending = torch.empty(n, d, **f32)
         left = ctypes.c_int64(0)
         ctx = lib.fnebm_nuts_adapt_begin(ctypes.byref(args), ctypes.byref(ad), t_n, ks.stride(0), pending.data_ptr(),
@@ -409,8 +401,7 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
                                                            w_count.view(()), tuple(da.unbind(0)))
                 new_imm = new_imm.detach().to(torch.float32)
                 imm.copy_(new_imm.reshape(-1))
-                mfac.copy_(_metric(position, h.reshape(pool), new_imm.reshape(pool + event), dense,
-                                   coefficients)[2].reshape(-1))
+                mfac.copy_(factor(new_imm))
                 for buf, value in zip((w_mean, w_m2, w_count), new_w):
                     buf.copy_(value.detach().reshape(-1))
                 da.copy_(torch.stack([f.detach().to(torch.float32).reshape(n_p) for f in new_da]))
@@ -421,8 +412,8 @@ def nuts_warmup(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], position: T
         finally:
             lib.fnebm_nuts_end(ctx)
     lead = (t_n,)
-    return Warmup(x_out.view(lead + tuple(position.shape)), e_out.view(lead + chains),
-                  g_out.view(lead + tuple(position.shape)), accept.view(lead + chains), flags[0].view(lead + chains),
+    x_out, e_out, g_out, accept, divergent = _shaped(outs, lead + tuple(position.shape), lead + chains)[:5]
+    return Warmup(x_out, e_out, g_out, accept, divergent,
                   tuple(hist_da[:, i].reshape(lead + pool) for i in range(5)), hist_h.view(lead + pool),
                   (hist_mean.view(lead + pool + (d,)), hist_m2.view(lead + pool + event), hist_count),
                   hist_imm.view(lead + pool + event))
@@ -459,33 +450,50 @@ def _evaluated(evaluate: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, e
     t = 1 if n_trans is None else n_trans
     lead = () if n_trans is None else (n_trans,)
     event = (d, d) if dense else (d,)
-    xs, gs, es = _flat(x, (n, d)), _flat(grad, (n, d)), _flat(energy, (n,))
     ks = keys.reshape(t, n, 2)
     h = _flat(step_size, (-1,))
     m, m_stride = _strided(imm.detach().to(torch.float32), chains, event)
     f, _ = _strided(mfac.detach().to(torch.float32), chains, event)
-    # one buffer for the float outputs: position, gradient, energy, acceptance, energy error
-    rows = t * n
-    floats = torch.empty(2 * rows * d + 3 * rows, dtype=torch.float32)
-    x_out, g_out = floats[:rows * d].view(rows, d), floats[rows * d:2 * rows * d].view(rows, d)
-    e_out, accept, error = floats[2 * rows * d:].view(3, rows).unbind(0)
-    flags = torch.empty(2, rows, dtype=torch.bool)
-    ints = torch.empty(2, rows, dtype=torch.int64)
-    args = _Args(n, d, depth, coef.numel(), int(extra_checks), ks.stride(1), ks.stride(2),
-                 1 if h.numel() > 1 else 0, m_stride, int(dense),
-                 xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), m.data_ptr(), f.data_ptr(),
-                 0, 0, ks.data_ptr(), coef.data_ptr(), float(threshold),  # no family parameters
-                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
-                 flags.data_ptr(), flags.data_ptr() + rows, ints.data_ptr(), ints.data_ptr() + 8 * rows)
-    if rows:
+    args, alive, outs = _launch(  # alive: what args points into, held until the loop ends
+        x, energy, grad, ks, h, 1 if h.numel() > 1 else 0, m, m_stride, f, coef, dense, depth, threshold,
+        extra_checks)
+    if t * n:
         if torch.autograd.profiler._is_profiler_enabled:  # named in a profile (tests look for it)
             with torch.profiler.record_function("fnebm::cpu_nuts_evaluated"):
                 _drive(lib, args, t, ks.stride(0), evaluate, chains, n, d)
         else:
             _drive(lib, args, t, ks.stride(0), evaluate, chains, n, d)
-    shape, each = lead + tuple(x.shape), lead + chains
-    return [x_out.view(shape), e_out.view(each), g_out.view(shape), accept.view(each), flags[0].view(each),
-            flags[1].view(each), error.view(each), ints[0].view(each), ints[1].view(each)]
+    return _shaped(outs, lead + tuple(x.shape), lead + chains)
+
+
+def _launch(x: Tensor, energy: Tensor, grad: Tensor, ks: Tensor, h: Tensor, h_stride: int, m: Tensor, m_stride: int,
+            f: Tensor, coef: Tensor, dense: bool, depth: int, threshold: float,
+            extra_checks: bool) -> tuple[_Args, tuple, list[Tensor]]:
+    """The arguments of an evaluated loop (``ks: (T, n, 2)``; ``h``, ``m``, ``f``: contiguous float32, their
+    strides between chains given), the tensors they point into (keep them alive until the loop ends),
+    and the nine outputs, ``(T * n, ...)`` rows: position, energy, gradient, acceptance, divergent,
+    turning, energy error, tree depth, integrator steps."""
+    n, d = ks.shape[1], x.shape[-1]
+    xs, gs, es = _flat(x, (n, d)), _flat(grad, (n, d)), _flat(energy, (n,))
+    # one buffer for the float outputs: position, gradient, energy, acceptance, energy error
+    rows = ks.shape[0] * n
+    floats = torch.empty(2 * rows * d + 3 * rows, dtype=torch.float32)
+    x_out, g_out = floats[:rows * d].view(rows, d), floats[rows * d:2 * rows * d].view(rows, d)
+    e_out, accept, error = floats[2 * rows * d:].view(3, rows).unbind(0)
+    flags = torch.empty(2, rows, dtype=torch.bool)
+    ints = torch.empty(2, rows, dtype=torch.int64)
+    args = _Args(n, d, int(depth), coef.numel(), int(extra_checks), ks.stride(1), ks.stride(2), h_stride, m_stride,
+                 int(dense), xs.data_ptr(), es.data_ptr(), gs.data_ptr(), h.data_ptr(), m.data_ptr(), f.data_ptr(),
+                 0, 0, ks.data_ptr(), coef.data_ptr(), float(threshold),  # no family parameters
+                 x_out.data_ptr(), e_out.data_ptr(), g_out.data_ptr(), accept.data_ptr(), error.data_ptr(),
+                 flags.data_ptr(), flags.data_ptr() + rows, ints.data_ptr(), ints.data_ptr() + 8 * rows)
+    return args, (xs, gs, es, ks, h, m, f, coef), [x_out, e_out, g_out, accept, flags[0], flags[1], error, ints[0],
+                                                   ints[1]]
+
+
+def _shaped(outs: list[Tensor], shape: tuple[int, ...], each: tuple[int, ...]) -> list[Tensor]:
+    """:func:`_launch`'s outputs with the positions' ``shape`` and the chains' ``each``."""
+    return [o.view(shape if i in (0, 2) else each) for i, o in enumerate(outs)]
 
 
 def _flat(t: Tensor, shape: tuple[int, ...]) -> Tensor:
