@@ -211,19 +211,30 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     # C kernel's loop (its input buffer rewritten between calls); same trees, float-close draws;
     # and the traced tier of "auto" (aot_eager), on a fresh energy object of its own
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
+    direct = []
+    real_direct = evaluation._direct
+    monkeypatch.setattr(evaluation, "_direct", lambda *a: direct.append(real_direct(*a)) or direct[-1])
     f = _fresh(energy)
     x0 = fr.normal(fr.key(3), (8, 2))
     keys = fr.split(fr.key(4), 8)
     out = []
-    for compile_energy in (False, True, "auto"):
+    for compile_energy in (False, True, "wrapped", "auto"):
         if compile_energy == "auto":
             compiled_f, f = f, _fresh(energy)
-        alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy)
+        # "wrapped": the same compiled graph, its pinned calls through AOTAutograd's wrapper
+        monkeypatch.setattr(evaluation, "DIRECT", compile_energy != "wrapped")
+        alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy in (True, "wrapped") or compile_energy)
         state = torch.func.vmap(alg.init)(x0)
         for i in range(3):
             state, info = alg.step(state, fr.fold_in(keys, i))
         out.append((state, info))
-    (a, ia), (b, ib), (c, ic) = out
+    (a, ia), (b, ib), (w, iw), (c, ic) = out
+    # the kernel's trips called Inductor's graph directly (checked once against the wrapper, then
+    # taken): the same draws bit for bit as through the wrapper; "auto"'s traced tier (aot_eager)
+    # has no Inductor graph and keeps its wrapper
+    assert len(direct) == 2 and direct[0] is not None and direct[1] is None
+    for u, v in zip(torch.utils._pytree.tree_leaves((b, ib)), torch.utils._pytree.tree_leaves((w, iw))):
+        assert torch.equal(u, v)
     for other, info in ((b, ib), (c, ic)):
         torch.testing.assert_close(a.position, other.position, rtol=1e-4, atol=1e-5)
         assert torch.equal(ia.num_integration_steps, info.num_integration_steps)
@@ -233,6 +244,26 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     e, g = evaluation.evaluator(compiled_f, 1, True)(x0)
     assert evaluation._evaluation(compiled_f, 1).compile_s is not None
     assert e.is_contiguous() and g.is_contiguous()
+
+
+def test_a_graph_that_writes_its_inputs_is_called_through_its_wrapper():
+    # AOTAutograd's runtime wrapper is skipped only for a plain CPU graph that leaves its inputs alone
+    # (fnebm._inductor.innermost_call); a graph that writes one keeps it
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(_inductor.inductor_backend(gm, example_inputs))
+        return graphs[-1]
+
+    def bump(x):
+        x.add_(1.0)
+        return x.sum(), x * 2.0
+
+    x = torch.zeros(3)
+    torch.compile(bump, backend=backend, dynamic=False)(x)
+    assert torch.equal(x, torch.ones(3))
+    assert len(graphs) == 1 and _inductor.innermost_call(graphs[0]) is None
+    assert _inductor.innermost_call(lambda x: x) is None  # no Inductor graph inside
 
 
 def _request(alg, state, keys):
