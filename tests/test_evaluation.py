@@ -110,9 +110,10 @@ def test_auto_compiles_at_once_when_a_loop_expects_more_than_twice_a_compile(mon
     assert ev.ev.expected_calls is None  # the expectation ends with the loop
 
 
-def test_new_code_inside_a_one_thread_scope_is_timed_again(monkeypatch):
-    # a scope on one thread (measured faster for the eager tier) that compiles: the compiled code gets
-    # torch's threads back until its own timing decides, then one thread again if that is faster
+def test_new_code_keeps_the_threads_the_tier_below_chose(monkeypatch):
+    # a scope on one thread (measured faster for the eager tier) that compiles: the compiled code runs on
+    # that thread too, inside and outside the scope, and is not timed on the others (Dynamo guards on
+    # torch's thread count: each count timed would be a compile of its own)
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
     monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
@@ -121,18 +122,21 @@ def test_new_code_inside_a_one_thread_scope_is_timed_again(monkeypatch):
     x = fr.normal(fr.key(15), (3, 2))
     restore = torch.get_num_threads()
     torch.set_num_threads(2)  # the tests run on one thread (conftest); a scope needs more to give one up
+    seen = []
+    real = ev.ev.entry
+    ev.ev.entry = lambda z: seen.append(torch.get_num_threads()) or real(z)
     try:
         with ev.scope():
             ev.ev.one_thread = True
             ev.ev._scope_one_thread()
             assert torch.get_num_threads() == 1
             ev.ev.compile_now(announce=False)
-            ev(x)  # the compiled code's first call
-            assert ev.ev.compile_s is not None and ev.ev.one_thread is None
-            assert torch.get_num_threads() == 2
-            for _ in range(evaluation.TUNE_CALLS):
+            for _ in range(evaluation.TUNE_CALLS + 1):
                 ev(x)
-            assert ev.ev.one_thread is not None  # timed again, decided
+            assert ev.ev.compile_s is not None and ev.ev.one_thread is True
+        assert torch.get_num_threads() == 2
+        ev(x)  # outside a scope: one thread around the call
+        assert seen == [1] * (evaluation.TUNE_CALLS + 2) and fake.compiled == 1
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(restore)

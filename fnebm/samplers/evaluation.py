@@ -127,16 +127,6 @@ class _Evaluation:
                 torch.set_num_threads(self.scope_threads)
             self.scoped = self.in_scope = False
 
-    def _retune(self) -> None:
-        """New code (traced or compiled): its threads are timed again, inside a scope too (which gives
-        back torch's threads until the new timing says one is faster)."""
-        import torch
-
-        self.one_thread, self.trials = None, []
-        if self.scoped:
-            torch.set_num_threads(self.scope_threads)
-            self.scoped = False
-
     def _scope_one_thread(self) -> None:
         """Inside a scope, once one thread was measured faster: set it for the rest of the scope."""
         import torch
@@ -308,7 +298,9 @@ class _Evaluation:
         from fnebm import _inductor
 
         _inductor.record_compile_s("energy", self.compile_s)
-        self._retune()  # compiled code: time the threads again
+        # The threads stay as the tier below chose them: Dynamo guards on torch's thread count, so
+        # timing the compiled code on both would compile it twice (a second 2.9 s compile in the 100-D
+        # Gaussian's cold warm-up, and a second trace in every cold run that traced)
         return out
 
     def traced_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
@@ -326,8 +318,7 @@ class _Evaluation:
             except Exception:  # noqa: BLE001 - not traceable: eager (an error of the energy re-raises there)
                 self.traced, self.trace_failed = None, True
                 return self.eager_call(x)
-            self.eager_s += time.perf_counter() - t0
-            self._retune()  # new code: time the threads again
+            self.eager_s += time.perf_counter() - t0  # threads as chosen (compiled_call)
             self.recent = (0.0, 0)  # the traced tier's own rate from now on
             return out
         out, seconds = self.run(self._call_traced, x, tune)
