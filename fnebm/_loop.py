@@ -44,11 +44,29 @@ from fnebm import random as fr
 __all__ = ["run", "position", "position_and_energy", "eager_runner", "install_runner", "default_runner"]
 
 
+_FIELDWISE: set = set()  # collects that only pick a state's fields (fieldwise)
+
+
+def fieldwise(collect: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Mark ``collect`` (fnebm's own) as one that only picks fields of the state, so that on states
+    stacked on a leading axis it gives the stacked fields: an eager engine that holds many steps
+    stacked (a kernel's block of transitions) then keeps them by one slice per field instead of
+    one state at a time."""
+    _FIELDWISE.add(collect)
+    return collect
+
+
+def is_fieldwise(collect: Any) -> bool:
+    return collect in _FIELDWISE
+
+
+@fieldwise
 def position(state: Any) -> Tensor:
     """The default ``collect``: what a trace keeps of a state."""
     return state.position
 
 
+@fieldwise
 def position_and_energy(state: Any) -> tuple[Tensor, Tensor]:
     """A ``collect`` that keeps the position and the energy (what ``fnebm sample`` keeps). The
     CPU's whole-chain kernel (``sample_chain``'s ``backend="c"``) writes both, as it writes the

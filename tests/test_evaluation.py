@@ -329,12 +329,26 @@ def test_eager_chains_run_many_transitions_per_call_with_the_same_draws(monkeypa
     monkeypatch.setattr(nuts_module._step, "kernel_many", counted)
     got = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False)
     assert calls and max(calls) > 1
+    # blocks of 7 transitions (kept steps sliced from each block, then joined), and a collect of the
+    # user's own (kept one row at a time): the same draws
+    from fnebm.chain import engines
+
+    monkeypatch.setattr(engines, "_MANY_FLOATS", 7 * 8 * 2)
+    calls.clear()
+    blocks = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False)
+    assert max(calls) == 7
+    own = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False,
+                             collect=lambda s: (s.position, s.energy))
     monkeypatch.setattr(nuts_module._step, "kernel_many", None)  # one transition per call
     want = fnebm.sample_chain(alg.step, state, fr.key(13), 30, burn_in=5, thin=3, progress=False)
-    assert torch.equal(got[1], want[1]) and got[1].shape == (10, 8, 2)
-    for a, b in zip(got[2], want[2]):
-        assert torch.equal(a, b)
-    for a, b in zip(got[0].state, want[0].state):
+    for run in (got, blocks):
+        assert torch.equal(run[1], want[1]) and run[1].shape == (10, 8, 2)
+        for a, b in zip(run[2], want[2]):
+            assert torch.equal(a, b)
+        for a, b in zip(run[0].state, want[0].state):
+            assert torch.equal(a, b)
+    assert torch.equal(own[1][0], want[1]) and own[1][1].shape == (10, 8)
+    for a, b in zip(own[2], want[2]):
         assert torch.equal(a, b)
     assert got[2].num_integration_steps.unique().numel() > 1
 

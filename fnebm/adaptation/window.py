@@ -440,6 +440,7 @@ def _eager_transitions(step: functools.partial, adapt: WindowAdaptationState,
     return step, False, True
 
 
+@_loop.fieldwise
 def _schedule_index(adapt: WindowAdaptationState) -> Tensor:
     """What ``sample_chain`` keeps per iteration: the iteration counter (the info holds the rest)."""
     return adapt.step
