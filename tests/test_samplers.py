@@ -175,6 +175,32 @@ def test_select_returns_the_new_state_itself_only_when_every_chain_takes_it():
     assert select(torch.ones(4, dtype=torch.bool), tracked, old) is not tracked
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_chain", [False, True])
+def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
+    # a large eager update runs as NumPy's four operations on one thread (the torch threads' start cost
+    # more than the work): the same bits as torch's; and torch's own operations wherever autograd or a
+    # transform could see it
+    from fnebm.integrators import diffusion
+
+    g = torch.Generator().manual_seed(0)
+    x, grad, noise = (torch.randn(64, 1000, generator=g, dtype=dtype) for _ in range(3))
+    h = torch.rand((64, 1) if per_chain else (), generator=g, dtype=dtype) * 0.1 + 1e-3
+    s = torch.rand((64, 1) if per_chain else (), generator=g, dtype=dtype) + 0.1
+    want = x - h * grad + (s * (2.0 * h).sqrt()) * noise
+    assert x.numel() >= diffusion._GRAIN
+    taken = diffusion._on_one_thread(x, grad, h, noise, s * (2.0 * h).sqrt())
+    assert taken is not None and torch.equal(taken, want)
+    assert torch.equal(diffusion.euler_maruyama(x, grad, h, noise, s), want)
+    for tracked in (x.clone().requires_grad_(True), h.clone().requires_grad_(True)):
+        args = [tracked if a.shape == tracked.shape and a.equal(tracked) else a for a in (x, grad, h, noise)]
+        out = diffusion.euler_maruyama(*args, s)
+        assert out.requires_grad and torch.equal(out.detach(), want)
+    h0, s0 = (h, s) if not per_chain else (h[0], s[0])
+    batched = torch.func.vmap(lambda a: diffusion.euler_maruyama(a, grad[0], h0, noise[0], s0))(x)
+    assert torch.equal(batched, x - h0 * grad[0] + (s0 * (2.0 * h0).sqrt()) * noise[0])
+
+
 def test_float32_chain_follows_the_inputs():
     e = E.double_well()
     alg = fnebm.langevin(e, 0.01)
