@@ -20,11 +20,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fnebm"
 # DESIGN.md's "depends on" column, and what its text adds (marked). A unit may import what its
 # dependencies may import (transitively), itself, and the bottom helpers BASE. A new dependency
 # is a decision: write it here (and in DESIGN.md) rather than around the test.
-BASE = {"_checks", "_control"}  # argument checks and while_loop: torch only, usable everywhere
+# argument checks, while_loop, large elementwise updates on one thread: torch only, usable everywhere
+BASE = {"_checks", "_control", "_one_thread"}
 ALL = "everything"
 LAYERS: dict[str, set[str] | str] = {
     "_checks": set(),
     "_control": set(),
+    "_one_thread": set(),
     "_philox_triton": set(),
     "_cbuild": set(),  # building and loading the C sources (torch and the standard library)
     "_random_cpu": {"_cbuild"},  # random's eager CPU draws in C

@@ -181,17 +181,28 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     # a large eager update runs as NumPy's four operations on one thread (the torch threads' start cost
     # more than the work): the same bits as torch's; and torch's own operations wherever autograd or a
     # transform could see it
-    from fnebm.integrators import diffusion
+    from fnebm import _one_thread
+    from fnebm.integrators import diffusion, symplectic
+    from fnebm.samplers.mala import log_acceptance_ratio
 
     g = torch.Generator().manual_seed(0)
-    x, grad, noise = (torch.randn(64, 1000, generator=g, dtype=dtype) for _ in range(3))
+    x, grad, noise, y, grad2 = (torch.randn(64, 1000, generator=g, dtype=dtype) for _ in range(5))
     h = torch.rand((64, 1) if per_chain else (), generator=g, dtype=dtype) * 0.1 + 1e-3
     s = torch.rand((64, 1) if per_chain else (), generator=g, dtype=dtype) + 0.1
     want = x - h * grad + (s * (2.0 * h).sqrt()) * noise
-    assert x.numel() >= diffusion._GRAIN
-    taken = diffusion._on_one_thread(x, grad, h, noise, s * (2.0 * h).sqrt())
-    assert taken is not None and torch.equal(taken, want)
+    assert x.numel() >= _one_thread.GRAIN
+    assert _one_thread.views(x, grad, h, noise) is not None
     assert torch.equal(diffusion.euler_maruyama(x, grad, h, noise, s), want)
+    # the leapfrog's steps and MALA's proposal densities, the same way
+    assert torch.equal(symplectic._axpy(x, -1.0, 0.5 * h, grad), x - (0.5 * h) * grad)
+    assert torch.equal(symplectic._axpy(x, 1.0, 0.5 * h, grad), x + (0.5 * h) * grad)
+    e, e2 = torch.randn(64, generator=g, dtype=dtype), torch.randn(64, generator=g, dtype=dtype)
+    hc = h.reshape(h.shape[:1])
+    forward, backward = y - x + h * grad, x - y + h * grad2
+    ratio = e - e2 + (forward * forward - backward * backward).sum(-1) / (4.0 * hc)
+    assert torch.equal(log_acceptance_ratio(x, e, grad, y, e2, grad2, hc), ratio)
+    small = x[:8]  # below the grain size: torch's operations
+    assert _one_thread.views(small, grad[:8]) is None
     for tracked in (x.clone().requires_grad_(True), h.clone().requires_grad_(True)):
         args = [tracked if a.shape == tracked.shape and a.equal(tracked) else a for a in (x, grad, h, noise)]
         out = diffusion.euler_maruyama(*args, s)

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
+
+from fnebm import _one_thread
 
 __all__ = ["euler_maruyama"]
 
@@ -20,39 +21,13 @@ def euler_maruyama(x: Tensor, grad: Tensor, step_size: Tensor, noise: Tensor, no
     every argument, including the step size.
     """
     scale = noise_scale * (2.0 * step_size).sqrt()
-    out = _on_one_thread(x, grad, step_size, noise, scale)
-    if out is not None:
-        return out
-    return x - step_size * grad + scale * noise
-
-
-# At or above torch's grain size an elementwise CPU operation runs on torch's threads, and on few
-# cores their start and wait cost more than the work: on this project's 2-core host (OpenMP's
-# passive wait, which `import fnebm` sets), the update of 128 x 784 values took 230-300 us as four
-# torch operations and about 60 us on one thread. Eagerly, on plain CPU tensors nothing tracks, it
-# runs as the same four IEEE operations in NumPy (one thread): the same bits.
-_GRAIN = 32768
-
-
-def _on_one_thread(x: Tensor, grad: Tensor, step_size: Tensor, noise: Tensor, scale: Tensor | float) -> Tensor | None:
-    if x.numel() < _GRAIN or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return None
-    dtype = x.dtype
-    if dtype not in (torch.float32, torch.float64):
-        return None
-    for t in (x, grad, step_size, noise, scale):
-        if (type(t) is not Tensor or t.device.type != "cpu" or t.dtype != dtype or t.requires_grad
-                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
-            return None
-    try:
+    arrays = _one_thread.views(x, grad, step_size, noise, scale)
+    if arrays is not None:  # a large eager CPU update: on one thread, torch's bits (fnebm._one_thread)
         import numpy as np
 
-        xn, gn, hn, zn, cn = (t.numpy() for t in (x, grad, step_size, noise, scale))
-        if np.broadcast_shapes(xn.shape, gn.shape, hn.shape, zn.shape, cn.shape) != xn.shape:
-            return None
+        xn, gn, hn, zn, cn = arrays
         out = np.multiply(hn, gn)
         np.subtract(xn, out, out=out)
         np.add(out, np.multiply(cn, zn), out=out)
-    except (ImportError, RuntimeError, ValueError):  # no NumPy; a tensor NumPy cannot view
-        return None
-    return torch.from_numpy(out)
+        return _one_thread.tensor(out)
+    return x - step_size * grad + scale * noise

@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple
 
 from torch import Tensor
 
+from fnebm import _one_thread
+
 __all__ = ["IntegratorState", "velocity_verlet", "mclachlan", "yoshida", "integrate", "gradient_evaluations"]
 
 
@@ -65,8 +67,22 @@ def integrate(
     x, p, energy, grad = state
     for i, c in enumerate(coefficients):
         if i % 2 == 0:
-            p = p - (c * step_size) * grad
+            p = _axpy(p, -1.0, c * step_size, grad)
         else:
-            x = x + (c * step_size) * velocity(p)
+            x = _axpy(x, 1.0, c * step_size, velocity(p))
             energy, grad = energy_and_grad(x)
     return IntegratorState(x, p, energy, grad)
+
+
+def _axpy(y: Tensor, sign: float, a: Tensor, x: Tensor) -> Tensor:
+    """``y + a * x`` (``sign`` 1) or ``y - a * x`` (``sign`` -1): on one thread for a large eager CPU
+    state, with torch's bits (:mod:`fnebm._one_thread`), else torch's two operations."""
+    arrays = _one_thread.views(y, a, x)
+    if arrays is None:
+        return y + a * x if sign > 0 else y - a * x
+    import numpy as np
+
+    yn, an, xn = arrays
+    out = np.multiply(an, xn)
+    (np.add if sign > 0 else np.subtract)(yn, out, out=out)
+    return _one_thread.tensor(out)

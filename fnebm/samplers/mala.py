@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from fnebm import _checks
+from fnebm import _checks, _one_thread
 from fnebm import random as fr
 from fnebm.integrators.diffusion import euler_maruyama
 from fnebm.samplers.base import (
@@ -80,9 +80,24 @@ def log_acceptance_ratio(
     else:
         h_event = step_size.reshape(step_size.shape + (1,) * (x.ndim - step_size.ndim))
         h_chain = step_size.reshape(step_size.shape + (1,) * (n_batch - step_size.ndim))
-    forward = proposal - x + h_event * grad
-    backward = x - proposal + h_event * new_grad
-    return energy - new_energy + event_sum(forward * forward - backward * backward, n_batch) / (4.0 * h_chain)
+    arrays = _one_thread.views(x, proposal, grad, new_grad, h_event) if isinstance(h_event, Tensor) else None
+    if arrays is not None:  # a large eager CPU state: the elementwise part on one thread, torch's bits
+        import numpy as np
+
+        xn, pn, gn, qn, hn = arrays
+        forward = np.subtract(pn, xn)
+        forward += np.multiply(hn, gn)
+        backward = np.subtract(xn, pn)
+        backward += np.multiply(hn, qn)
+        np.multiply(forward, forward, out=forward)
+        np.multiply(backward, backward, out=backward)
+        np.subtract(forward, backward, out=forward)
+        diff = _one_thread.tensor(forward)
+    else:
+        forward = proposal - x + h_event * grad
+        backward = x - proposal + h_event * new_grad
+        diff = forward * forward - backward * backward
+    return energy - new_energy + event_sum(diff, n_batch) / (4.0 * h_chain)
 
 
 def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
