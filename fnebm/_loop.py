@@ -44,7 +44,7 @@ from fnebm import random as fr
 __all__ = ["run", "position", "position_and_energy", "eager_runner", "install_runner", "default_runner"]
 
 
-_FIELDWISE: set = set()  # collects that only pick a state's fields (fieldwise)
+_FIELDWISE: list = []  # collects that only pick a state's fields (fieldwise); compared by identity
 
 
 def fieldwise(collect: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -52,12 +52,12 @@ def fieldwise(collect: Callable[[Any], Any]) -> Callable[[Any], Any]:
     stacked on a leading axis it gives the stacked fields: an eager engine that holds many steps
     stacked (a kernel's block of transitions) then keeps them by one slice per field instead of
     one state at a time."""
-    _FIELDWISE.add(collect)
+    _FIELDWISE.append(collect)
     return collect
 
 
 def is_fieldwise(collect: Any) -> bool:
-    return collect in _FIELDWISE
+    return any(collect is f for f in _FIELDWISE)  # a user's collect may be unhashable
 
 
 @fieldwise

@@ -26,29 +26,47 @@ GRAIN = 32768  # torch's internal grain size: below it an elementwise operation 
 
 def views(*tensors: Tensor):
     """NumPy views of ``tensors`` when the first has at least :data:`GRAIN` values and every one is an
-    eager plain CPU float32/float64 tensor of the first's dtype that autograd does not track, and
-    their shapes broadcast to the first's; else ``None`` (the caller runs torch's operations)."""
+    eager plain CPU float32/float64 tensor of the first's dtype that autograd does not track, each
+    either contiguous of the first's shape or a smaller one that broadcasts to it (a per-chain or
+    0-dim parameter), and nothing intercepts torch's operations (a ``torch.func`` transform, a
+    compile, forward-mode AD, a dispatch or torch-function mode: ``make_fx`` would bake a NumPy
+    result into its graph); else ``None`` (the caller runs torch's operations)."""
     first = tensors[0]
-    if type(first) is not Tensor or first.numel() < GRAIN or torch.compiler.is_compiling():
+    if type(first) is not Tensor or first.numel() < GRAIN or not first.is_contiguous() or _intercepted():
         return None
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return None
-    dtype = first.dtype
+    dtype, shape, size = first.dtype, first.shape, first.numel()
     if dtype not in (torch.float32, torch.float64):
         return None
     for t in tensors:
         if (type(t) is not Tensor or t.device.type != "cpu" or t.dtype != dtype or t.requires_grad
                 or torch._C._functorch.is_functorch_wrapped_tensor(t)):
             return None
+        if t.shape == shape:
+            if not t.is_contiguous():
+                return None
+        elif t.numel() >= size or t.dim() > len(shape) or any(
+                d != 1 and d != shape[i] for i, d in enumerate(t.shape, len(shape) - t.dim())):
+            return None  # not a smaller operand that broadcasts to the first's shape
     try:
-        import numpy as np
-
-        arrays = tuple(t.numpy() for t in tensors)
-        if np.broadcast_shapes(*(a.shape for a in arrays)) != arrays[0].shape:
-            return None
-    except (ImportError, RuntimeError, ValueError):  # no NumPy; a tensor NumPy cannot view; shapes
+        return tuple(t.numpy() for t in tensors)
+    except RuntimeError:  # a tensor NumPy cannot view (a lazy negation), or no NumPy
         return None
-    return arrays
+
+
+_MODE_KEYS = None  # the infrastructure's dispatch-mode keys (fake, proxy, functional), looked up once
+
+
+def _intercepted() -> bool:
+    global _MODE_KEYS
+    if (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._is_torch_function_mode_enabled() or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+            or torch._C._len_torch_dispatch_stack() > 0):  # a user's dispatch mode
+        return True
+    if _MODE_KEYS is None:
+        keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+        _MODE_KEYS = tuple(keys.__members__.values()) if keys is not None else ()
+    get = torch._C._get_dispatch_mode
+    return any(get(k) is not None for k in _MODE_KEYS)
 
 
 def tensor(array) -> Tensor:

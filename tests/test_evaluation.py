@@ -142,6 +142,27 @@ def test_new_code_keeps_the_threads_the_tier_below_chose(monkeypatch):
         torch.set_num_threads(restore)
 
 
+def test_the_first_compiled_call_outside_a_scope_runs_on_the_threads_chosen(monkeypatch):
+    # its graph is built for the thread count its later calls run on (one Dynamo graph, not two)
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    ev = evaluation.evaluator(_fresh(energy), 1, "auto")
+    x = fr.normal(fr.key(16), (3, 2))
+    seen = []
+    real = ev.ev.entry
+    ev.ev.entry = lambda z: seen.append(torch.get_num_threads()) or real(z)
+    restore = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ev.ev.one_thread = True
+        ev.ev.compile_now(announce=False)
+        ev(x)
+        ev(x)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(restore)
+
+
 def test_a_long_kernel_loop_tells_its_evaluator_what_it_expects(monkeypatch):
     seen = []
 
@@ -350,6 +371,24 @@ def test_eager_chains_run_many_transitions_per_call_with_the_same_draws(monkeypa
     assert torch.equal(own[1][0], want[1]) and own[1][1].shape == (10, 8)
     for a, b in zip(own[2], want[2]):
         assert torch.equal(a, b)
+    # the kernel again: a trace of every step is new memory, not a view the final state shares; and a
+    # collect that cannot be hashed (a dataclass instance) is applied row by row
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Pick:
+        field: str = "position"
+
+        def __call__(self, s):
+            return getattr(s, self.field)
+
+    monkeypatch.setattr(nuts_module._step, "kernel_many", many)
+    final, trace, _ = fnebm.sample_chain(alg.step, state, fr.key(13), 6, progress=False)
+    kept = trace.clone()
+    final.state.position.add_(1.0)
+    assert torch.equal(trace, kept)
+    picked = fnebm.sample_chain(alg.step, state, fr.key(13), 6, progress=False, collect=Pick())
+    assert torch.equal(picked[1], kept)
     assert got[2].num_integration_steps.unique().numel() > 1
 
 

@@ -201,8 +201,6 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     forward, backward = y - x + h * grad, x - y + h * grad2
     ratio = e - e2 + (forward * forward - backward * backward).sum(-1) / (4.0 * hc)
     assert torch.equal(log_acceptance_ratio(x, e, grad, y, e2, grad2, hc), ratio)
-    small = x[:8]  # below the grain size: torch's operations
-    assert _one_thread.views(small, grad[:8]) is None
     for tracked in (x.clone().requires_grad_(True), h.clone().requires_grad_(True)):
         args = [tracked if a.shape == tracked.shape and a.equal(tracked) else a for a in (x, grad, h, noise)]
         out = diffusion.euler_maruyama(*args, s)
@@ -210,6 +208,43 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     h0, s0 = (h, s) if not per_chain else (h[0], s[0])
     batched = torch.func.vmap(lambda a: diffusion.euler_maruyama(a, grad[0], h0, noise[0], s0))(x)
     assert torch.equal(batched, x - h0 * grad[0] + (s0 * (2.0 * h0).sqrt()) * noise[0])
+    small = x[:8]  # below the grain size: torch's operations
+    assert _one_thread.views(small, grad[:8]) is None
+
+
+def test_the_one_thread_path_steps_aside_wherever_torch_must_see_the_operations():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fnebm import _one_thread
+    from fnebm.integrators import symplectic
+
+    x, g = torch.randn(64, 1000), torch.randn(64, 1000)
+    h = torch.tensor(0.1)
+    assert _one_thread.views(x, h, g) is not None and _one_thread.views(x, torch.ones(64, 1), g) is not None
+    assert _one_thread.views(x, torch.ones(64), g) is None  # does not broadcast to x's shape
+    assert _one_thread.views(x, h, g.t().contiguous().t()) is None  # not contiguous: torch's strides
+    # make_fx would bake a NumPy result into its graph as a constant
+    gm = make_fx(lambda a, b: symplectic._axpy(a, 1.0, h, b))(x, g)
+    assert torch.equal(gm(2 * x, g), 2 * x + h * g)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        assert torch.equal(fwAD.unpack_dual(symplectic._axpy(dual, 1.0, h, g)).tangent, torch.ones_like(x))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        symplectic._axpy(x, 1.0, h, g)
+    assert mode.ops >= 2
 
 
 def test_float32_chain_follows_the_inputs():

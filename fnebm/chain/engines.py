@@ -491,9 +491,10 @@ def _stacked(state: Any, outs: list) -> tuple[Any, Any, Any]:
 
 
 def _joined(blocks: list) -> tuple[Any, Any]:
-    """``(kept, info)`` of blocks already stacked on a leading axis, joined along it."""
+    """``(kept, info)`` of blocks already stacked on a leading axis, joined along it: new memory (a
+    block's slices are views of the kernel's outputs, which the final state may share)."""
     if len(blocks) == 1:
-        return blocks[0]
+        return pytree.tree_map(torch.clone, blocks[0])
     return pytree.tree_map(lambda *xs: torch.cat(xs), *blocks)
 
 

@@ -383,7 +383,7 @@ def sample_chain(
     if len(devices) > 1 or chain.keys.device not in devices:
         raise ValueError(f"state and key must be on one device, got state on {devices} and key on {chain.keys.device}")
     _check_values(chain.keys, chain.state)
-    req = dispatch.RunRequest(step, chain.state, chain.keys, chain.steps_taken, _COLLECTS.get(collect),
+    req = dispatch.RunRequest(step, chain.state, chain.keys, chain.steps_taken, _collect_name(collect),
                               needs_grad(step, chain.state))
     decision = dispatch.choose(req, backend, compile)
     step, compile = decision.step, decision.compile
@@ -413,6 +413,11 @@ def sample_chain(
 
 # the collects a whole-chain kernel can write, by name (fnebm.kernels.dispatch's vocabulary)
 _COLLECTS = {position: "position", position_and_energy: "position_and_energy"}
+
+
+def _collect_name(collect: Any) -> str | None:
+    # by identity: a collect of the user's own may be unhashable (a dataclass instance)
+    return next((name for fn, name in _COLLECTS.items() if fn is collect), None)
 
 
 def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: int, total: int, compile: Any,

@@ -127,6 +127,22 @@ class _Evaluation:
                 torch.set_num_threads(self.scope_threads)
             self.scoped = self.in_scope = False
 
+    @contextlib.contextmanager
+    def _chosen_threads(self) -> Iterator[None]:
+        """One thread around a call outside a one-thread scope, once one was measured faster (as
+        :meth:`run` sets it for the calls after)."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if not (self.one_thread and not self.scoped and threads > 1):
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
     def _scope_one_thread(self) -> None:
         """Inside a scope, once one thread was measured faster: set it for the rest of the scope."""
         import torch
@@ -286,7 +302,8 @@ class _Evaluation:
             return self.run(self._call_compiled, x, tune)[0]
         t0 = time.perf_counter()
         try:
-            out = self.compiled(x)
+            with self._chosen_threads():  # compiled for the threads its calls run on (Dynamo guards on them)
+                out = self.compiled(x)
         except Exception as exc:  # the energy is not traceable: eager from now on (an eager error re-raises)
             out = self.eager(x)
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -314,7 +331,8 @@ class _Evaluation:
             t0 = time.perf_counter()
             try:
                 self.traced = torch.compile(self.entry, dynamic=False, backend=self._traced_backend)
-                out = self.traced(x)
+                with self._chosen_threads():
+                    out = self.traced(x)
             except Exception:  # noqa: BLE001 - not traceable: eager (an error of the energy re-raises there)
                 self.traced, self.trace_failed = None, True
                 return self.eager_call(x)
@@ -374,10 +392,12 @@ def _direct(compiled: Callable, args: tuple, out: Any) -> Callable | None:
         call = _inductor.innermost_call(compiled)
         if call is None:
             return None
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return None  # the wrapper's outputs could be tracked by autograd; the graph's are not
         again = call(list(args))
         ok = (isinstance(again, (list, tuple)) and len(again) == 2
               and all(isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                      and a.stride() == b.stride() and a.device == b.device and torch.equal(a, b)
+                      and a.stride() == b.stride() and a.device == b.device and _same_bits(a, b)
                       for a, b in zip(again, out)))
     except Exception:  # pragma: no cover - any surprise: the wrapper, as always
         return None
@@ -388,6 +408,16 @@ def _direct(compiled: Callable, args: tuple, out: Any) -> Callable | None:
         return call(list(a))
 
     return direct
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal bit for bit (a NaN equals the same NaN, and -0.0 differs from 0.0, unlike ``torch.equal``)."""
+    import torch
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.dtype.is_floating_point:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
 
 
 def _outside_fnebm() -> int:
