@@ -245,6 +245,13 @@ def test_the_one_thread_path_steps_aside_wherever_torch_must_see_the_operations(
     with Seen() as mode:
         symplectic._axpy(x, 1.0, h, g)
     assert mode.ops >= 2
+    # the divergence check's NumPy path too: traced, the graph checks the values it is given
+    from fnebm.samplers.base import all_finite
+
+    gm = make_fx(lambda e, a: all_finite(e, a, n_batch=1))(torch.zeros(64), x)
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    assert gm(torch.zeros(64), bad).tolist() == [i != 3 for i in range(64)]
 
 
 def test_float32_chain_follows_the_inputs():

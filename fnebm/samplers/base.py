@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from fnebm import _checks
+from fnebm import _checks, _one_thread
 from fnebm.energies.neural import batch_form
 from fnebm.gradients import value_and_grad
 
@@ -278,7 +278,10 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) -> Tensor | None:
-    """:func:`all_finite` by NumPy for eager plain CPU tensors (``None`` where it does not apply)."""
+    """:func:`all_finite` by NumPy for eager plain CPU tensors (``None`` where it does not apply, or where
+    something intercepts torch's operations: ``make_fx`` would keep the answer as a constant)."""
+    if _one_thread._intercepted():
+        return None
     for t in (scalar, *events):
         if (type(t) is not Tensor or t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES
                 or torch._C._functorch.is_functorch_wrapped_tensor(t)):
