@@ -170,6 +170,12 @@ def test_select_returns_the_new_state_itself_only_when_every_chain_takes_it():
     got = select(mask, new, old)
     assert type(got) is type(new) and torch.equal(got.energy, mask.to(torch.float32))
     assert torch.equal(got.position, mask[:, None].expand(4, 3).to(torch.float32))
+    # a large field when some chains keep the old state: NumPy's where on one thread, torch.where's values
+    big_new, big_old = LangevinState(torch.randn(64, 1000), torch.randn(64), torch.randn(64, 1000)), \
+        LangevinState(torch.randn(64, 1000), torch.randn(64), torch.randn(64, 1000))
+    some = torch.arange(64) % 3 == 0
+    for a, n, o in zip(select(some, big_new, big_old), big_new, big_old):
+        assert torch.equal(a, torch.where(some.reshape((64,) + (1,) * (n.ndim - 1)), n, o))
     # autograd through the choice: torch.where (the old state stays in the graph)
     tracked = new._replace(position=new.position.requires_grad_(True))
     assert select(torch.ones(4, dtype=torch.bool), tracked, old) is not tracked

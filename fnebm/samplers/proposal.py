@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm import _checks
+from fnebm import _checks, _one_thread
 from fnebm import random as fr
 
 __all__ = ["Decision", "metropolis_hastings", "select"]
@@ -51,7 +51,13 @@ def select(mask: Tensor, new: Any, old: Any) -> Any:
         return new
 
     def pick(a: Tensor, b: Tensor) -> Tensor:
-        return torch.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
+        m = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+        arrays = _one_thread.views(a, b) if type(m) is Tensor and m.dtype == torch.bool and b.shape == a.shape else None
+        if arrays is not None and m.device.type == "cpu":  # a large eager CPU field: on one thread, the same values
+            import numpy as np
+
+            return _one_thread.tensor(np.where(m.numpy(), *arrays))
+        return torch.where(m, a, b)
 
     return pytree.tree_map(pick, new, old)
 
