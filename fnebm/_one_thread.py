@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["GRAIN", "views", "tensor"]
+__all__ = ["GRAIN", "views", "tensor", "axpy"]
 
 GRAIN = 32768  # torch's internal grain size: below it an elementwise operation runs on one thread anyway
 
@@ -72,3 +72,17 @@ def _intercepted() -> bool:
 def tensor(array) -> Tensor:
     """A NumPy result as a torch tensor (its memory, no copy)."""
     return torch.from_numpy(array)
+
+
+def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor) -> Tensor:
+    """``y + a * x`` (``sign`` 1) or ``y - a * x`` (``sign`` -1), as torch's two operations compute it:
+    in NumPy on one thread where :func:`views` allows, else torch's operations."""
+    arrays = views(y, a, x)
+    if arrays is None:
+        return y + a * x if sign > 0 else y - a * x
+    import numpy as np
+
+    yn, an, xn = arrays
+    out = np.multiply(an, xn)
+    (np.add if sign > 0 else np.subtract)(yn, out, out=out)
+    return tensor(out)

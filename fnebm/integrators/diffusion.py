@@ -20,14 +20,6 @@ def euler_maruyama(x: Tensor, grad: Tensor, step_size: Tensor, noise: Tensor, no
     against them (0-dim, or per chain with trailing singleton event axes). Differentiable in
     every argument, including the step size.
     """
+    # (x - h grad) + scale noise, each step on one thread for a large eager CPU state (fnebm._one_thread)
     scale = noise_scale * (2.0 * step_size).sqrt()
-    arrays = _one_thread.views(x, grad, step_size, noise, scale)
-    if arrays is not None:  # a large eager CPU update: on one thread, torch's bits (fnebm._one_thread)
-        import numpy as np
-
-        xn, gn, hn, zn, cn = arrays
-        out = np.multiply(hn, gn)
-        np.subtract(xn, out, out=out)
-        np.add(out, np.multiply(cn, zn), out=out)
-        return _one_thread.tensor(out)
-    return x - step_size * grad + scale * noise
+    return _one_thread.axpy(_one_thread.axpy(x, -1.0, step_size, grad), 1.0, scale, noise)

@@ -67,22 +67,9 @@ def integrate(
     x, p, energy, grad = state
     for i, c in enumerate(coefficients):
         if i % 2 == 0:
-            p = _axpy(p, -1.0, c * step_size, grad)
+            p = _one_thread.axpy(p, -1.0, c * step_size, grad)  # on one thread for a large eager CPU state
         else:
-            x = _axpy(x, 1.0, c * step_size, velocity(p))
+            x = _one_thread.axpy(x, 1.0, c * step_size, velocity(p))
             energy, grad = energy_and_grad(x)
     return IntegratorState(x, p, energy, grad)
 
-
-def _axpy(y: Tensor, sign: float, a: Tensor, x: Tensor) -> Tensor:
-    """``y + a * x`` (``sign`` 1) or ``y - a * x`` (``sign`` -1): on one thread for a large eager CPU
-    state, with torch's bits (:mod:`fnebm._one_thread`), else torch's two operations."""
-    arrays = _one_thread.views(y, a, x)
-    if arrays is None:
-        return y + a * x if sign > 0 else y - a * x
-    import numpy as np
-
-    yn, an, xn = arrays
-    out = np.multiply(an, xn)
-    (np.add if sign > 0 else np.subtract)(yn, out, out=out)
-    return _one_thread.tensor(out)

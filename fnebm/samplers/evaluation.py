@@ -193,7 +193,8 @@ class _Evaluation:
                 if len(at) == 1 and isinstance(out, (list, tuple)) and len(out) == 2:
                     if DIRECT and not direct:
                         direct.append(_direct(compiled, args, out))
-                    self.pin = ((direct[0] if DIRECT and direct else None) or compiled, list(args), at[0], (x.shape, x.stride(), x.dtype, x.device))
+                    graph = (direct[0] if DIRECT else None) or compiled
+                    self.pin = (graph, list(args), at[0], (x.shape, x.stride(), x.dtype, x.device))
                     self._pin_out = out
             return out
 
