@@ -1,5 +1,5 @@
-"""fnebm._inductor: the per-machine record of compile times that compile="auto" starts from, and
-the vector-ISA record that spares each process Inductor's probe."""
+"""fnebm._inductor: the per-machine record of compile times that compile="auto" starts from, the
+vector-ISA record that spares each process Inductor's probe, and the faster linker of fnebm's builds."""
 
 import json
 
@@ -110,3 +110,66 @@ def test_a_second_import_of_fnebm_keeps_the_operators():
             "assert torch.equal(torch.func.vmap(lambda k: fnebm.random.normal(k, (2,)))(k), a)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.fixture
+def linker_cache(tmp_path, monkeypatch):
+    from fnebm import _cbuild
+
+    monkeypatch.setattr(_cbuild, "cache_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_inductor, "_linker", False)
+    return tmp_path
+
+
+def test_the_faster_linker_is_tried_once_and_recorded(linker_cache, monkeypatch):
+    tried = []
+    real = _inductor._test_link
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: tried.append(name) or real(cxx, name))
+    flag = _inductor.fast_linker()
+    if flag is None:
+        assert not list(linker_cache.glob("inductor-linker-*"))
+        pytest.skip(f"no linker of {[p for _, p in _inductor._LINKERS]} links here (tried {tried})")
+    assert flag == f"fuse-ld={tried[-1]}" and _inductor.fast_linker() == flag and len(tried) >= 1
+    (record,) = linker_cache.glob(f"inductor-linker-{tried[-1]}-*.ok")
+    # a new process reads the record and links nothing to find out
+    monkeypatch.setattr(_inductor, "_linker", False)
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: pytest.fail("tested again"))
+    assert _inductor.fast_linker() == flag
+    monkeypatch.setattr(_inductor, "FAST_LINKER", False)
+    assert _inductor.fast_linker() is None
+
+
+def test_a_linker_whose_test_link_fails_is_not_used(linker_cache, monkeypatch):
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: False)
+    assert _inductor.fast_linker() is None
+    assert not list(linker_cache.glob("inductor-linker-*"))
+    with _inductor.linking_fast():  # nothing to pass: the builds as torch makes them
+        assert getattr(_inductor._scope, "linker", None) is None
+
+
+def test_only_fnebms_builds_link_with_it_and_they_load():
+    import threading
+
+    from torch._inductor import cpp_builder
+    from torch._inductor.codecache import CppCodeCache
+
+    flag = _inductor.fast_linker()
+    if flag is None:
+        pytest.skip("no faster linker here")
+
+    def command() -> str:
+        return cpp_builder.CppBuilder(name="o", sources="i", BuildOption=cpp_builder.CppTorchOptions()).get_command_line()
+
+    assert f"-{flag}" not in command()  # outside fnebm's compiles: torch's own flags
+    others = []
+    with _inductor.linking_fast():
+        mine = command()
+        thread = threading.Thread(target=lambda: others.append(command()))  # a user's compile meanwhile
+        thread.start()
+        thread.join()
+        # a real build in the scope: a library linked against torch's, as Inductor's kernels are, that loads
+        lib = CppCodeCache.load('extern "C" int fnebm_seven() { return 7; }')
+    assert f"-{flag}" in mine and f"-{flag}" not in others[0] and f"-{flag}" not in command()
+    assert lib.fnebm_seven() == 7
+    with open(lib._name, "rb") as f:  # the linker leaves its mark in the library
+        assert {"fuse-ld=gold": b".note.gnu.gold-version", "fuse-ld=lld": b"Linker: LLD"}[flag] in f.read()
