@@ -14,10 +14,11 @@
   surprise in torch's internals here means no record and torch's own probe.
 * **A faster linker, where there is one.** Inductor links each CPU kernel library against
   ``libtorch_cpu`` (for Sleef's vector maths), and GNU ld's reading of that library's symbols is
-  about 0.2 s of each kernel's ~1.05 s build here; gold (or lld) links the same library in about
-  0.05 s. fnebm's CPU compiles pass ``-fuse-ld=gold`` (``lld`` preferred) to the compiler where a
-  test link with it worked once on this machine (recorded like the vector sets), and only while
-  fnebm's backend compiles (a thread's own scope: a user's compiles are left as they are).
+  about 0.2 s of each kernel's ~1.05 s build here, where gold links it in a few hundredths. fnebm's
+  CPU compiles pass ``-fuse-ld=gold`` (else ``lld``, not measured) to the compiler where a test
+  link with it against torch's libraries worked once on this machine (recorded like the vector
+  sets), and only while fnebm's backend compiles, on its thread (a user's compiles are left as
+  they are); a build that still fails to link is compiled again with the compiler's own linker.
 
 Lowest layer: imports torch, and :mod:`fnebm._cbuild` for the cache folder.
 """
@@ -159,18 +160,31 @@ def _probe_and_record(folders: list, name: str) -> bool:
 # ----------------------------------------------------------------------------- the linker
 
 FAST_LINKER = True  # False: fnebm's compiles link with the compiler's default linker, as torch's do
-_LINKERS = (("lld", "ld.lld"), ("gold", "ld.gold"))  # -fuse-ld=NAME, the program it runs; first that works
+# -fuse-ld=NAME and the program it runs, in order of preference: gold is what was measured here
+# (docs/performance.md); lld, where gold is absent, is tried the same way
+_LINKERS = (("gold", "ld.gold"), ("lld", "ld.lld"))
+_LINK_TEST = "2"  # enters the records' names: a change to the test link tests again
 _linker: str | None | bool = False  # this process: False until looked up, then "fuse-ld=NAME" or None
 _linker_lock = threading.Lock()
 _scope = threading.local()  # .linker: the flag while this thread compiles through inductor_backend
 
 
+def _cxx() -> str:
+    """Inductor's C++ compiler as its option names it (``cpp.cxx``: a tuple whose last entry is the
+    compiler, or a plain string)."""
+    from torch._inductor import config
+
+    cxx = config.cpp.cxx
+    return (cxx if isinstance(cxx, str) else cxx[-1]) or "g++"
+
+
 def fast_linker() -> str | None:
-    """``"fuse-ld=lld"`` or ``"fuse-ld=gold"`` (Inductor's spelling of a flag, without its dash)
-    where that linker is installed and a test link with Inductor's C++ compiler worked on this
-    machine (recorded once in fnebm's cache folder: the compiler's and the linker's paths and
-    modification times, and torch's version, in the record's name), else ``None``: Linux only,
-    and never when :data:`FAST_LINKER` is off. Once per process."""
+    """``"fuse-ld=gold"`` or ``"fuse-ld=lld"`` (Inductor's spelling of a flag, without its dash)
+    where that linker is installed and a test link with Inductor's C++ compiler against torch's
+    libraries worked on this machine, else ``None``. The outcome for each linker (worked or not) is
+    recorded once per machine in fnebm's cache folder (torch's version, the compiler's and the
+    linker's real paths and modification times in the record's name). Linux only, never when
+    :data:`FAST_LINKER` is off. Looked up once per process."""
     global _linker
     if not FAST_LINKER:
         return None
@@ -187,44 +201,46 @@ def fast_linker() -> str | None:
 def _find_linker() -> str | None:
     if sys.platform != "linux":
         return None
-    from torch._inductor import config
-
     from fnebm import _cbuild
 
-    cxx = config.cpp.cxx[-1] or "g++"
-    compiler = _stamp(cxx)
-    if compiler is None or shutil.which(cxx) is None:
+    cxx = shutil.which(_cxx())
+    compiler = _stamp(cxx) if cxx else None
+    if compiler is None:
         return None
+    folders = [f for f in _cbuild.cache_dirs() if _cbuild._usable(f)]
     for name, program in _LINKERS:
         linker = _stamp(program) if shutil.which(program) else None
         if linker is None:
             continue
-        digest = hashlib.sha256("\0".join((torch.__version__, compiler, linker)).encode()).hexdigest()[:20]
-        record = f"inductor-linker-{name}-{digest}.ok"
-        folders = [f for f in _cbuild.cache_dirs() if _cbuild._usable(f)]
-        if any((folder / record).is_file() for folder in folders):
+        digest = hashlib.sha256("\0".join((torch.__version__, compiler, linker, _LINK_TEST)).encode()).hexdigest()[:20]
+        stem = f"inductor-linker-{name}-{digest}"
+        if any((folder / f"{stem}.ok").is_file() for folder in folders):
             return f"fuse-ld={name}"
-        if _test_link(shutil.which(cxx), name):
-            for folder in folders:
-                with contextlib.suppress(OSError):
-                    (folder / record).write_text(f"{program}\n")
-                    break
+        if any((folder / f"{stem}.no").is_file() for folder in folders):
+            continue
+        worked = _test_link(cxx, name)
+        for folder in folders[:1]:  # the first folder of this user's own
+            with contextlib.suppress(OSError):
+                (folder / f"{stem}.{'ok' if worked else 'no'}").write_text(f"{program}\n")
+        if worked:
             return f"fuse-ld={name}"
     return None
 
 
 def _test_link(cxx: str, name: str) -> bool:
-    """Whether ``cxx -fuse-ld=NAME`` links a small shared library that loads (about 0.1 s, once per machine)."""
+    """Whether ``cxx -fuse-ld=NAME`` links a small shared library against torch's libraries with
+    OpenMP, as Inductor links its kernels, and the library loads here (about 0.3 s, once per machine)."""
     import ctypes
     import subprocess
     import tempfile
 
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     with tempfile.TemporaryDirectory(prefix="fnebm-ld-") as work:
         src, lib = os.path.join(work, "t.cpp"), os.path.join(work, "t.so")
         with open(src, "w") as f:
             f.write('#include <cmath>\nextern "C" double fnebm_t(double x) { return std::exp(x); }\n')
-        done = subprocess.run([cxx, "-shared", "-fPIC", f"-fuse-ld={name}", src, "-o", lib], capture_output=True,
-                              timeout=60)
+        done = subprocess.run([cxx, "-shared", "-fPIC", f"-fuse-ld={name}", src, "-o", lib, f"-L{torch_lib}",
+                               "-ltorch", "-ltorch_cpu", "-fopenmp"], capture_output=True, timeout=60)
         if done.returncode != 0 or not os.path.isfile(lib):
             return False
         try:
@@ -233,6 +249,13 @@ def _test_link(cxx: str, name: str) -> bool:
             return False
         fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_double]
         return fn(0.0) == 1.0
+
+
+def _gave_up_linker() -> None:
+    """A build failed with the faster linker: this process links with the compiler's own from now on."""
+    global _linker
+    with _linker_lock:
+        _linker = None
 
 
 _hooked = False
@@ -257,7 +280,8 @@ def _hook_linker() -> bool:
         def _get_optimization_cflags(*args, **kwargs):
             out = original(*args, **kwargs)
             flag = getattr(_scope, "linker", None)
-            if flag and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list) and flag not in out[1]:
+            if (flag and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list)
+                    and not any(str(f).startswith("fuse-ld=") for f in out[1])):
                 return out[0], [*out[1], flag]
             return out
 
@@ -267,19 +291,47 @@ def _hook_linker() -> bool:
         return True
 
 
+def _linker_applies() -> bool:
+    """Whether Inductor's current options leave the linker to fnebm: not where torch picks one itself
+    (link-time optimisation, cross-compiling) nor under max-autotune, whose CPU templates build on
+    threads of their own (outside this thread's scope: every choice would be built twice)."""
+    from torch._inductor import config
+
+    aot = config.aot_inductor
+    return not (getattr(aot, "enable_lto", False) or getattr(aot, "cross_target_platform", None)
+                or config.max_autotune or config.max_autotune_gemm)
+
+
 @contextlib.contextmanager
 def linking_fast(on: bool = True):
-    """Within: this thread's Inductor builds link with :func:`fast_linker` (where there is one)."""
-    flag = fast_linker() if on else None
-    if flag is None or not _hook_linker():
-        yield
-        return
+    """Within: this thread's Inductor builds link with :func:`fast_linker` (where there is one and it
+    applies); ``on=False``: with the compiler's own linker. Yields the flag in effect, or ``None``.
+
+    Only the builds made on this thread inside the block carry it: kernels Inductor builds later (a
+    training graph's backward, compiled at its first ``backward()``) link as torch makes them."""
+    flag = fast_linker() if on and _linker_applies() else None
+    if flag is not None and not _hook_linker():
+        flag = None
     before = getattr(_scope, "linker", None)
     _scope.linker = flag
     try:
-        yield
+        yield flag
     finally:
         _scope.linker = before
+
+
+def _build_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is Inductor's C++ build error."""
+    try:
+        from torch._inductor.exc import CppCompileError
+    except ImportError:  # pragma: no cover - another torch layout
+        return False
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, CppCompileError):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 # ----------------------------------------------------------------------------- measured compile times
@@ -456,8 +508,14 @@ def inductor_backend(gm: torch.fx.GraphModule, example_inputs, extra: dict | Non
         if passive_openmp():
             patches["cpp.threads"] = 1
     patches.update(extra or {})
-    with linking_fast(on_cpu):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+    with linking_fast(on_cpu) as linked:
+        try:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        except Exception as exc:
+            if linked is None or not _build_failed(exc):
+                raise
+            _gave_up_linker()  # a build this linker could not link: once more with the compiler's own
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def innermost_call(compiled: Callable) -> Callable | None:

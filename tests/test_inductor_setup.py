@@ -127,30 +127,36 @@ def test_the_faster_linker_is_tried_once_and_recorded(linker_cache, monkeypatch)
     monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: tried.append(name) or real(cxx, name))
     flag = _inductor.fast_linker()
     if flag is None:
-        assert not list(linker_cache.glob("inductor-linker-*"))
+        assert not list(linker_cache.glob("inductor-linker-*.ok"))
         pytest.skip(f"no linker of {[p for _, p in _inductor._LINKERS]} links here (tried {tried})")
-    assert flag == f"fuse-ld={tried[-1]}" and _inductor.fast_linker() == flag and len(tried) >= 1
-    (record,) = linker_cache.glob(f"inductor-linker-{tried[-1]}-*.ok")
-    # a new process reads the record and links nothing to find out
+    assert flag == f"fuse-ld={tried[-1]}" and _inductor.fast_linker() == flag
+    assert len(list(linker_cache.glob(f"inductor-linker-{tried[-1]}-*.ok"))) == 1
+    assert len(list(linker_cache.glob("inductor-linker-*.no"))) == len(tried) - 1  # those that did not link
+    # a new process reads the records and links nothing to find out
     monkeypatch.setattr(_inductor, "_linker", False)
-    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: pytest.fail("tested again"))
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: pytest.fail(f"{name} tested again"))
     assert _inductor.fast_linker() == flag
     monkeypatch.setattr(_inductor, "FAST_LINKER", False)
     assert _inductor.fast_linker() is None
 
 
-def test_a_linker_whose_test_link_fails_is_not_used(linker_cache, monkeypatch):
-    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: False)
+def test_a_linker_whose_test_link_fails_is_not_used_and_not_tried_again(linker_cache, monkeypatch):
+    tried = []
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: tried.append(name) and False)
     assert _inductor.fast_linker() is None
-    assert not list(linker_cache.glob("inductor-linker-*"))
-    with _inductor.linking_fast():  # nothing to pass: the builds as torch makes them
-        assert getattr(_inductor._scope, "linker", None) is None
+    assert not list(linker_cache.glob("inductor-linker-*.ok"))
+    assert len(list(linker_cache.glob("inductor-linker-*.no"))) == len(tried)
+    monkeypatch.setattr(_inductor, "_linker", False)
+    monkeypatch.setattr(_inductor, "_test_link", lambda cxx, name: pytest.fail(f"{name} tested again"))
+    assert _inductor.fast_linker() is None
+    with _inductor.linking_fast() as flag:  # nothing to pass: the builds as torch makes them
+        assert flag is None and getattr(_inductor._scope, "linker", None) is None
 
 
-def test_only_fnebms_builds_link_with_it_and_they_load():
+def test_only_fnebms_builds_link_with_it_and_they_load(linker_cache):
     import threading
 
-    from torch._inductor import cpp_builder
+    from torch._inductor import config, cpp_builder
     from torch._inductor.codecache import CppCodeCache
 
     flag = _inductor.fast_linker()
@@ -162,14 +168,49 @@ def test_only_fnebms_builds_link_with_it_and_they_load():
 
     assert f"-{flag}" not in command()  # outside fnebm's compiles: torch's own flags
     others = []
-    with _inductor.linking_fast():
+    with _inductor.linking_fast() as on:
         mine = command()
         thread = threading.Thread(target=lambda: others.append(command()))  # a user's compile meanwhile
         thread.start()
         thread.join()
+        with _inductor.linking_fast(False) as off:
+            assert off is None and f"-{flag}" not in command()
         # a real build in the scope: a library linked against torch's, as Inductor's kernels are, that loads
         lib = CppCodeCache.load('extern "C" int fnebm_seven() { return 7; }')
-    assert f"-{flag}" in mine and f"-{flag}" not in others[0] and f"-{flag}" not in command()
+    assert on == flag and f"-{flag}" in mine and f"-{flag}" not in others[0] and f"-{flag}" not in command()
     assert lib.fnebm_seven() == 7
     with open(lib._name, "rb") as f:  # the linker leaves its mark in the library
         assert {"fuse-ld=gold": b".note.gnu.gold-version", "fuse-ld=lld": b"Linker: LLD"}[flag] in f.read()
+    with config.patch({"max_autotune": True}), _inductor.linking_fast() as autotuned:
+        assert autotuned is None  # its templates build on threads of their own: left as torch makes them
+
+
+def test_a_build_the_faster_linker_fails_is_compiled_again_without_it(monkeypatch):
+    from torch._inductor import compile_fx as compile_fx_module
+    from torch._inductor.exc import CppCompileError
+
+    monkeypatch.setattr(_inductor, "_linker", "fuse-ld=gold")  # as if found on this machine
+    monkeypatch.setattr(_inductor, "_hook_linker", lambda: True)
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(getattr(_inductor._scope, "linker", None))
+        if len(seen) == 1:
+            raise RuntimeError("the build") from CppCompileError(["g++", "-fuse-ld=gold"], "ld.gold: error")
+        return "compiled"
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1.0)
+    assert _inductor.inductor_backend(gm, [torch.zeros(2)]) == "compiled"
+    assert seen == ["fuse-ld=gold", None] and _inductor.fast_linker() is None  # and from now on without it
+    seen.clear()
+    monkeypatch.setattr(_inductor, "_linker", "fuse-ld=gold")
+
+    def other_failure(gm, example_inputs, config_patches=None):
+        seen.append(1)
+        raise ValueError("not a build")
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", other_failure)
+    with pytest.raises(ValueError, match="not a build"):
+        _inductor.inductor_backend(gm, [torch.zeros(2)])
+    assert seen == [1] and _inductor.fast_linker() == "fuse-ld=gold"  # any other error: raised as it was
