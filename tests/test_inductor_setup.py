@@ -214,3 +214,21 @@ def test_a_build_the_faster_linker_fails_is_compiled_again_without_it(monkeypatc
     with pytest.raises(ValueError, match="not a build"):
         _inductor.inductor_backend(gm, [torch.zeros(2)])
     assert seen == [1] and _inductor.fast_linker() == "fuse-ld=gold"  # any other error: raised as it was
+
+
+def test_the_precompiled_header_is_named_without_the_linker(monkeypatch):
+    # Inductor names its precompiled header by the kernel's command line; the linker flag must not
+    # enter that name (the header's compile links nothing): else a second 150 MB header is built
+    from torch._inductor import codecache
+
+    monkeypatch.setattr(_inductor, "_linker", "fuse-ld=gold")
+    if not _inductor._hook_linker() or _inductor._HEADER_ORIGINAL[0] is None:
+        pytest.skip("this torch has no _precompile_header to name")
+    names = []
+    monkeypatch.setattr(_inductor, "_HEADER_ORIGINAL", [lambda header, cmd, **kw: names.append(cmd) or "h"])
+    line = "g++ k.cpp -O3 -o k.so -fuse-ld=gold  -ltorch"
+    with _inductor.linking_fast() as flag:
+        assert flag == "fuse-ld=gold"
+        codecache._precompile_header("cpp_prefix.h", line, device_type="cpu")
+    codecache._precompile_header("cpp_prefix.h", "g++ k.cpp -O3 -o k.so  -ltorch", device_type="cpu")
+    assert names == ["g++ k.cpp -O3 -o k.so  -ltorch"] * 2  # the same name in fnebm's compiles and torch's
