@@ -524,3 +524,28 @@ def test_the_traced_tier_is_pinned_too(monkeypatch):
         assert ev.ev.traced is not None and ev.ev.compiled is None and ev.ev.pin is not None
     for x, (e, g) in zip(xs, outs):
         torch.testing.assert_close(g, x @ P)
+
+
+@pytest.mark.parametrize("two, one, want_one", [
+    # the 100-D Gaussian's trials in a run that chose two threads by the middle of each way's four
+    # calls (one slow one-thread call), and then ran its compiled evaluations on two: 4x slower
+    ([963, 431, 388, 400], [443, 538, 315, 318], True),
+    ([200, 210, 190, 205], [400, 390, 410, 395], False),  # two threads clearly faster: kept
+    ([300, 310, 320, 305], [305, 320, 330, 310], True),  # within the noise: one thread
+])
+def test_the_threads_are_chosen_by_each_ways_fastest_call(monkeypatch, two, one, want_one):
+    threads = [2]
+    clock = [0.0]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: clock[0])
+    ev = evaluation._Evaluation(_fresh(energy), 1)
+    durations = {False: iter(two), True: iter(one)}
+
+    def fn(x):
+        clock[0] += next(durations[threads[0] == 1]) * 1e-6
+        return x
+
+    for _ in range(evaluation.TUNE_CALLS):
+        ev.run(fn, torch.zeros(1))
+    assert ev.one_thread is want_one and threads[0] == 2  # set around its own calls only

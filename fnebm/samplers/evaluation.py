@@ -25,8 +25,9 @@ it has one, else ``vmap``), eager or compiled:
 Threads: an evaluation of a small energy is a few hundred microseconds, and torch's parallel
 regions can cost more than they save there (on a busy 2-core machine a 2-thread evaluation of a
 1,000-row logistic regression took 7.5 ms against 0.24 ms on one thread). So an evaluator times
-its first :data:`TUNE_CALLS` calls (eager, and again once compiled) alternately on torch's
-threads and on one, and keeps the faster; one thread is set only around its own calls. That
+its first :data:`TUNE_CALLS` calls alternately on torch's threads and on one, and keeps one
+thread unless torch's were clearly faster (each way's fastest call; :data:`TWO_THREADS_BY`); the
+traced and compiled tiers keep that choice. One thread is set only around its own calls. That
 is ``"auto"``'s only: a thread count can change a reduction's rounding, and ``"auto"``'s
 choices (the threads, and when it traces and compiles) follow timings, so its evaluations can
 round differently from run to run (the keys, and so the draws up to float tolerance, do not
@@ -58,12 +59,16 @@ from fnebm import _checks
 from fnebm.gradients import value_and_grad
 
 __all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
-           "TUNE_CALLS", "EXPECTED_FACTOR"]
+           "TUNE_CALLS", "TWO_THREADS_BY", "EXPECTED_FACTOR"]
 
 AUTO_COMPILE_AFTER_S = 12.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
 # (a first energy compile measured here on a machine that had never compiled; module docstring)
 TRACE_AFTER_S = 0.5  # eager evaluation seconds after which "auto" traces the evaluation (no code generation)
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
+# torch's threads are kept only when their fastest call beats one thread's by this factor: the choice
+# holds for the compiled code too (timing it again would compile it again: Dynamo guards on the
+# thread count), whose parallel regions cost relatively more, and a tie within the noise goes to one
+TWO_THREADS_BY = 0.9
 # "auto" compiles at once when the evaluations a kernel's loop still expects would take this many times
 # what a compile is expected to: then even compiled code half as fast as the eager tier's recovers the
 # compile, and a prediction off by this factor costs at most the compile
@@ -276,8 +281,12 @@ class _Evaluation:
             else:
                 self.trials.append((one, seconds))
                 if len(self.trials) >= TUNE_CALLS:
-                    med = {k: sorted(s for o, s in self.trials if o == k)[len(self.trials) // 4] for k in (True, False)}
-                    self.one_thread = med[True] < med[False]
+                    # each way's fastest call: a machine's noise only ever adds time (the first call
+                    # of all, on torch's threads, is the slowest), and the middle of four calls
+                    # chose two threads on a single slow one-thread call (the 100-D Gaussian's
+                    # evaluations then ran compiled on two threads: 45 s of warm-up against 13 s)
+                    best = {k: min(s for o, s in self.trials if o == k) for k in (True, False)}
+                    self.one_thread = not best[False] < TWO_THREADS_BY * best[True]
                     self._scope_one_thread()
                     self.recent = (0.0, 0)  # the rate on the threads chosen, not the trials' mix
         return out, seconds
