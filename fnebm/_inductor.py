@@ -100,7 +100,7 @@ def _isa_record() -> tuple[list, str] | None:
         return None
     from fnebm import _cbuild
 
-    stamp = _stamp(config.cpp.cxx[-1] or "g++")
+    stamp = _stamp(_cxx())
     if stamp is None:
         return None
     digest = hashlib.sha256("\0".join((torch.__version__, stamp, _cbuild._cpu_id())).encode()).hexdigest()[:20]

@@ -72,4 +72,3 @@ def integrate(
             x = _one_thread.axpy(x, 1.0, c * step_size, velocity(p))
             energy, grad = energy_and_grad(x)
     return IntegratorState(x, p, energy, grad)
-
