@@ -5,13 +5,9 @@ Triton (as shipped) or in torch operations, against the plain loop, each in fres
 
 Each worker process imports fnebm and torch, starts CUDA, builds bench/user.py's workload on the
 GPU and times one implementation's first call, second call and the median of 5 more (warm).
-Rows: ``plain`` (bench/user.py's loop), ``triton`` (fnebm's defaults: Triton's kernels made ready on a
-background thread while the first draws take the torch path), ``sync`` (the kernels loaded at the
-first draw, as before the loader thread: ``fnebm.random._TRITON_BACKGROUND_DEVICES = ()``), ``torch``
-(fnebm's defaults with ``fnebm.random._TRITON_EAGER_DEVICES = ()`` and ``_TRITON_DRAWS = False``: keys
-and draws by torch operations, which the step's CUDA graph then holds as more, smaller kernels).
-``--steps N`` runs N steps a call instead of the workload's; ``--profile ROW`` prints a cProfile of
-ROW's first call in a fresh process (after one ``triton`` process has filled the caches). The first
+Rows: ``plain`` (bench/user.py's loop), ``triton`` (fnebm's defaults), ``torch`` (fnebm's defaults
+with ``fnebm.random._TRITON_EAGER_DEVICES = ()`` and ``_TRITON_DRAWS = False``: keys and draws by
+torch operations, which the step's CUDA graph then holds as more, smaller kernels). The first
 process of all (a ``triton`` row) fills Triton's on-disk cache and is reported apart. Also times
 ``import triton`` after ``import torch`` in a fresh process. Needs CUDA; writes nothing.
 """
@@ -30,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def worker(row: str, workload: str, steps: int | None = None, profile: bool = False) -> dict:
+def worker(row: str, workload: str) -> dict:
     t0 = time.perf_counter()
     import fnebm  # noqa: F401
     import torch
@@ -46,32 +42,17 @@ def worker(row: str, workload: str, steps: int | None = None, profile: bool = Fa
     if row == "torch":
         fnebm.random._TRITON_EAGER_DEVICES = ()
         fnebm.random._TRITON_DRAWS = False
-    if row == "sync":
-        fnebm.random._TRITON_BACKGROUND_DEVICES = ()
     net, x0 = gpu_user._net_and_start(workload, "cuda")
-    steps = steps or gpu_user.WORKLOADS[workload][2]
+    steps = gpu_user.WORKLOADS[workload][2]
     run = user.make_plain(net, x0, steps) if row == "plain" else gpu_user.make_fnebm(net, x0, steps, None)
-    ts, ready = [], []
-    for i in range(7):
+    ts = []
+    for _ in range(7):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        if profile and i == 0:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            out = prof.runcall(run)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t)
-            st = pstats.Stats(prof).sort_stats("cumulative")
-            st.print_stats(45)
-            st.sort_stats("tottime").print_stats(25)
-            continue
         out = run()
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
-        ready.append(bool(fnebm.random._philox_kernel))
-    return {"kernels_ready_after": ready, "warm_error": fnebm.random._triton_warm_error, "import_s": t_import, "cuda_init_s": t_cuda, "first_s": ts[0], "second_s": ts[1],
+    return {"import_s": t_import, "cuda_init_s": t_cuda, "first_s": ts[0], "second_s": ts[1],
             "warm_s": statistics.median(ts[2:]), "triton_loaded": "triton" in sys.modules,
             "final": out.double().sum().item()}
 
@@ -80,12 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload", default="mlp784")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--profile", default=None, help="a row whose first call is profiled, instead of the rounds")
     ap.add_argument("--worker", default=None)
     args = ap.parse_args()
     if args.worker:
-        print("@@ " + json.dumps(worker(args.worker, args.workload, args.steps, args.profile == args.worker)), flush=True)
+        print("@@ " + json.dumps(worker(args.worker, args.workload)), flush=True)
         return
     import torch
 
@@ -95,43 +74,33 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
 
     def spawn(row):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", row, "--workload", args.workload]
-        cmd += ["--steps", str(args.steps)] if args.steps else []
-        cmd += ["--profile", args.profile] if args.profile else []
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        if args.profile:
-            print(r.stdout[-12000:], r.stderr[-3000:])
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", row, "--workload", args.workload],
+                           env=env, capture_output=True, text=True, timeout=120)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")]
         if r.returncode or not lines:
             return {"error": r.stderr[-1500:]}
         return json.loads(lines[-1][3:])
 
     print("machine's first fnebm process (fills Triton's cache):", json.dumps(spawn("triton")))
-    if args.profile:
-        spawn(args.profile)
-        return
     imp = subprocess.run([sys.executable, "-c", "import torch, time; t = time.perf_counter(); import triton; "
                           "print(time.perf_counter() - t)"], capture_output=True, text=True, timeout=60)
     print(f"import triton after import torch: {imp.stdout.strip()} s")
-    rows = {"plain": [], "triton": [], "sync": [], "torch": []}
+    rows = {"plain": [], "triton": [], "torch": []}
     for r in range(args.rounds):
-        order = list(rows)[r % len(rows):] + list(rows)[:r % len(rows)]
+        order = list(rows)[r % 3:] + list(rows)[:r % 3]
         for row in order:
             rows[row].append(spawn(row))
     for row, rs in rows.items():
         ok = [x for x in rs if "error" not in x]
         for x in rs:
-            if x.get("warm_error"):
-                print(f"{row}: the loader's warm-up raised {x['warm_error']}")
             if "error" in x:
                 print(f"{row}: FAILED {x['error']}")
         if not ok:
             continue
         med = {k: statistics.median(x[k] for x in ok) for k in ("import_s", "cuda_init_s", "first_s", "second_s", "warm_s")}
         print(f"{row:7s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items())
-              + f"  triton loaded: {ok[0]['triton_loaded']}  final sum {ok[0]['final']:.6f}"
-              + f"  kernels ready after each call: {[x['kernels_ready_after'] for x in ok]}")
-    for row in ("triton", "sync", "torch"):
+              + f"  triton loaded: {ok[0]['triton_loaded']}  final sum {ok[0]['final']:.6f}")
+    for row in ("triton", "torch"):
         pairs = [(a["first_s"] / b["first_s"], a["warm_s"] / b["warm_s"]) for a, b in zip(rows[row], rows["plain"])
                  if "error" not in a and "error" not in b]
         if pairs:

@@ -4,7 +4,6 @@ and :func:`~fnebm.random.uniform` each as one launch (Philox, the units, Box–M
 where the block kernel left the conversion to about 25 more torch kernels. Imported only when used.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -96,24 +95,3 @@ def draw_kernel(k_ptr, ks, kw, out_ptr, n_keys, n, m, NORMAL: tl.constexpr, F64:
     _store(out_ptr, row, m + b, n, u1, live)
     _store(out_ptr, row, 2 * m + b, n, u2, live)
     _store(out_ptr, row, 3 * m + b, n, u3, live)
-
-
-def warm_up(rounds: int) -> None:
-    """Both kernels' usual specialisations made ready on the current CUDA device without a launch:
-    compiled, or read from Triton's disk cache, and loaded (module and launcher), so that a first
-    launch finds them in the kernel's cache. Run on fnebm.random's loader thread. The arguments are
-    CPU tensors: ``warmup`` reads only their dtype and their pointers' alignment (16 bytes, or 8: a
-    key's second word), and the integers are the do-not-specialise ones (32-bit at these values)."""
-    w = torch.zeros(16, dtype=torch.int64)
-    a, u = w[:4], w[1:5]  # a 16-byte aligned pointer and an 8-byte aligned one
-    ints = (1,) * 28
-    made = []
-    for k0, k1 in ((a, u), (a, a), (u, u), (u, a)):  # fold_in's k0 = key[..., 0], k1 = key[..., 1]
-        made.append(philox_kernel.warmup(a, a, a, a, k0, k1, a, a, a, a, *ints, ROUNDS=rounds, BLOCK=512, grid=(1,)))
-    out = torch.zeros(4, dtype=torch.float32)
-    for normal in (True, False):
-        made.append(draw_kernel.warmup(a, 1, 1, out, 1, 1, 1, NORMAL=normal, F64=False, BLOCK=256, grid=(1,)))
-    for kernel in made:  # the module and launcher a first launch would load (private; Triton 3.x)
-        init = getattr(kernel, "_init_handles", None)
-        if init is not None:
-            init()

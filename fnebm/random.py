@@ -43,7 +43,6 @@ import ctypes
 import math
 import operator
 import sys
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -270,71 +269,18 @@ def _triton_eligible(words: tuple) -> bool:
             return False
         if torch._C._functorch.is_functorch_wrapped_tensor(w):
             return False
-    return _triton_kernel(words[0].device) is not None
+    return _triton_kernel() is not None
 
 
-# Triton's first launch in a process cost about 0.6 s on an H100's host (its compiler's imports, the
-# hash of its 500 MB library that keys its disk cache, the kernel read from that cache and loaded):
-# more than a short call's whole run (bench/gpu_first_call.py). So on a CUDA device the kernels are
-# made ready on a background thread (_philox_triton.warm_up), started by the first eligible call;
-# until they are ready, draws and keys take the torch path, whose bits are the same. A thread uses
-# them inside a CUDA stream capture only once it has used them outside one (the capture then holds
-# launches of kernels already loaded, as a capture after an eager warm-up step expects).
-_TRITON_BACKGROUND_DEVICES = ("cuda",)
-_triton_loader = None  # the loader thread, once started
-_triton_lock = threading.Lock()
-_triton_seen = threading.local()  # .ok: this thread used the kernels outside a capture
-_triton_warm_error = None  # what the loader's warm-up raised, if it did (the kernels are used all the same)
-
-
-def _triton_kernel(device: torch.device | None = None):
-    """The Philox block kernel, ``None`` where Triton is unavailable or still loading for ``device``."""
+def _triton_kernel():
+    global _philox_kernel
     if _philox_kernel is None:
-        if device is not None and device.type in _TRITON_BACKGROUND_DEVICES:
-            _start_triton_loader(device)
-            return None
-        _load_triton()
-    if not _philox_kernel:
-        return None
-    if not getattr(_triton_seen, "ok", False) and device is not None and device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return None  # first used in a capture: the torch path, as outside it until now
-        _triton_seen.ok = True
-    return _philox_kernel
-
-
-def _load_triton(device: torch.device | None = None) -> None:
-    """Imports the kernels (and on ``device``, a CUDA device, makes them ready: ``warm_up``); sets
-    ``_draw_kernel`` (unless set already) and then ``_philox_kernel``, ``False`` where unavailable."""
-    global _philox_kernel, _draw_kernel, _triton_warm_error
-    try:  # a private module beside this one: the kernels need triton, this module does not
-        from fnebm import _philox_triton as kernels
-    except ImportError:  # pragma: no cover - CUDA builds of torch bring triton
-        kernels = None
-    if kernels is not None and device is not None and device.type == "cuda":
-        try:
-            with torch.cuda.device(device):
-                kernels.warm_up(_ROUNDS)
-        except Exception as e:  # noqa: BLE001 - not needed: a first launch compiles and loads what it uses
-            _triton_warm_error = f"{type(e).__name__}: {e}"
-    if _draw_kernel is None:
-        _draw_kernel = getattr(kernels, "draw_kernel", False)
-    _philox_kernel = getattr(kernels, "philox_kernel", False)
-
-
-def _start_triton_loader(device: torch.device) -> None:
-    global _triton_loader
-    with _triton_lock:
-        if _triton_loader is None:
-            _triton_loader = threading.Thread(target=_load_triton, args=(device,), name="fnebm-triton", daemon=True)
-            _triton_loader.start()
-
-
-def _triton_wait() -> None:
-    """Waits for the loader thread, if one is loading (a long chain's CUDA graph is about to be captured)."""
-    loader = _triton_loader
-    if loader is not None and _philox_kernel is None:
-        loader.join()
+        try:  # a private module beside this one: the kernel needs triton, this module does not
+            from fnebm._philox_triton import philox_kernel
+        except ImportError:  # pragma: no cover - CUDA builds of torch bring triton
+            philox_kernel = False
+        _philox_kernel = philox_kernel
+    return _philox_kernel or None
 
 
 def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
@@ -366,11 +312,16 @@ _draw_kernel = None
 
 def _triton_draw(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, normal: bool):
     """``normal``/``uniform`` of ``key`` as one Triton launch, or ``None`` where it does not apply."""
+    global _draw_kernel
     if not _TRITON_DRAWS or not _triton_eligible((key,)):
         return None
-    if _draw_kernel is None:  # loaded with the block kernel; unset again by a test
-        _load_triton()
-    if not _draw_kernel:
+    if _draw_kernel is None:
+        try:
+            from fnebm._philox_triton import draw_kernel
+        except ImportError:  # pragma: no cover - an older triton without libdevice
+            draw_kernel = False
+        _draw_kernel = draw_kernel
+    if _draw_kernel is False:
         return None
     check_key(key)
     f64 = dtype == torch.float64

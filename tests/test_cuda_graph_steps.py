@@ -213,18 +213,6 @@ def test_a_gradient_through_one_call_does_not_keep_later_calls_from_the_graph(fa
     assert fake_cuda["captures"] == 1 and fake_cuda["replays"] > 0
 
 
-def test_a_long_chunk_waits_for_the_triton_loader_and_a_short_one_does_not(fake_cuda, monkeypatch):
-    # a graph replays its step's draws at every step: a long one waits for Triton's kernels (the first
-    # call of a process loads them on a thread), a short one captures the torch path's (the same bits)
-    waits = []
-    monkeypatch.setattr(fr, "_triton_wait", lambda: waits.append(1))
-    alg, d = _algs()["langevin-mlp"]
-    _run(alg, d, steps=60)
-    assert waits == [] and fake_cuda["captures"] == 1
-    _run(alg, d, steps=engines._TRITON_WAIT_STEPS + 1)  # the probe's step, then a capture of the rest
-    assert waits == [1] and fake_cuda["captures"] == 2
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("sampler", ["langevin", "mala", "hmc"])
 def test_on_a_cuda_device_the_graph_gives_the_one_by_one_draws(monkeypatch, sampler):
@@ -285,52 +273,3 @@ def test_a_kernels_host_scalars_stay_on_the_host_and_other_tunables_move_to_the_
     assert engines._tunables_on(per, meta).tunables["step_size"].device == meta
     opaque = lambda state, key: alg.step(state, key)  # noqa: E731 - a user's wrapper: left as it is
     assert engines._tunables_on(opaque, meta) is opaque
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_cuda_device_the_loader_thread_and_captures(monkeypatch):
-    import threading
-
-    keys = fr.split(fr.key(5, device="cuda"), 64)
-    with monkeypatch.context() as mp:
-        mp.setattr(fr, "_TRITON_EAGER_DEVICES", ())
-        want = (fr.fold_in(keys, 3), fr.uniform(keys, (100,)), fr.normal(keys, (100,)))
-    fr.uniform(keys, (1,))
-    fr._triton_wait()  # whatever an earlier test started
-    for name in ("_philox_kernel", "_draw_kernel", "_triton_loader"):
-        monkeypatch.setattr(fr, name, None)
-    gate, real = threading.Event(), fr._load_triton
-    monkeypatch.setattr(fr, "_load_triton", lambda device=None: (gate.wait(30), real(device)))
-    got = (fr.fold_in(keys, 3), fr.uniform(keys, (100,)), fr.normal(keys, (100,)))
-    assert fr._philox_kernel is None and fr._triton_loader.is_alive()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))  # the torch path: the same bits
-    gate.set()
-    fr._triton_wait()
-    assert fr._philox_kernel and fr._draw_kernel
-    launches, real_draw = [], fr._draw_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real_draw[grid]
-
-    monkeypatch.setattr(fr, "_draw_kernel", Counted())
-    out = {}
-
-    def thread():  # a thread that has not drawn with the kernels outside a capture: not inside one
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            u = fr.uniform(keys, (100,))
-            graph.capture_end()
-        graph.replay()
-        torch.cuda.synchronize()
-        out["captured"], out["launches"] = u.clone(), len(launches)
-        out["after"] = (fr.fold_in(keys, 3), fr.uniform(keys, (100,)), fr.normal(keys, (100,)))
-
-    t = threading.Thread(target=thread)
-    t.start()
-    t.join()
-    assert out["launches"] == 0 and torch.equal(out["captured"], want[1])
-    assert len(launches) == 2 and all(torch.equal(a, b) for a, b in zip(out["after"], want))

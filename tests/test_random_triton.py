@@ -5,8 +5,6 @@ pins the key -> (seed, offset, lane) mapping documented in fnebm.random.
 """
 
 import math
-import sys
-import threading
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -118,66 +116,3 @@ def test_eager_normal_is_tl_randn4x_bit_for_bit(monkeypatch, n):
     k = fr.fold_in(fr.key(7), 11)
     got, launches = _draw(monkeypatch, lambda: fr.normal(k, (n,)), triton_path=True)
     assert launches and torch.equal(got, _triton_draw(k, n, normal=True))
-
-
-# On a CUDA device the kernels load on a background thread (Triton's first launch in a process cost
-# about 0.6 s): until they are ready the torch path draws, with the same bits. Here the loader runs
-# for the CPU under the interpreter, held back until the test lets it go.
-@pytest.fixture
-def loader(monkeypatch):
-    monkeypatch.setattr(fr, "_NUMPY_EAGER", False)  # neither the C nor the NumPy CPU path
-    monkeypatch.setattr(fr, "_TRITON_EAGER_DEVICES", ("cpu",))
-    monkeypatch.setattr(fr, "_TRITON_BACKGROUND_DEVICES", ("cpu",))
-    for name in ("_philox_kernel", "_draw_kernel", "_triton_loader"):
-        monkeypatch.setattr(fr, name, None)
-    gate, loads, real = threading.Event(), [], fr._load_triton
-
-    def held(device=None):
-        loads.append(device)
-        assert gate.wait(30)
-        real(device)
-
-    monkeypatch.setattr(fr, "_load_triton", held)
-    yield gate, loads
-    gate.set()
-    fr._triton_wait()
-
-
-def _torch_path(monkeypatch, call):
-    with monkeypatch.context() as mp:
-        mp.setattr(fr, "_TRITON_EAGER_DEVICES", ())
-        return call()
-
-
-def test_while_the_kernels_load_the_torch_path_draws_then_the_kernels_do(monkeypatch, loader):
-    gate, loads = loader
-    keys = fr.split(fr.key(2**40 + 9), 6)
-    want = _torch_path(monkeypatch, lambda: (fr.fold_in(keys, 3), fr.uniform(keys, (5,))))
-    got = (fr.fold_in(keys, 3), fr.uniform(keys, (5,)))  # the loader is held: the torch path
-    assert fr._triton_loader.is_alive() and fr._philox_kernel is None and len(loads) == 1
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    gate.set()
-    fr._triton_wait()
-    assert not fr._triton_loader.is_alive() and fr._philox_kernel and fr._draw_kernel
-    launches = []
-    monkeypatch.setattr(fr, "_draw_kernel", _Counted(fr._draw_kernel, launches))
-    blocks = []
-    real = fr._philox_triton
-    monkeypatch.setattr(fr, "_philox_triton", lambda *a, **kw: blocks.append(1) or real(*a, **kw))
-    got = (fr.fold_in(keys, 3), fr.uniform(keys, (5,)))
-    assert launches and blocks, "the kernels did not run once loaded"
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert loads == [torch.device("cpu")]  # one loader for the process
-
-
-def test_a_loader_that_finds_no_triton_leaves_the_torch_path(monkeypatch, loader):
-    gate, loads = loader
-    monkeypatch.setitem(sys.modules, "fnebm._philox_triton", None)  # its import raises ImportError
-    monkeypatch.delattr(sys.modules["fnebm"], "_philox_triton", raising=False)
-    keys = fr.split(fr.key(3), 4)
-    want = _torch_path(monkeypatch, lambda: fr.uniform(keys, (7,)))
-    gate.set()
-    assert torch.equal(fr.uniform(keys, (7,)), want)
-    fr._triton_wait()
-    assert fr._philox_kernel is False and fr._draw_kernel is False
-    assert torch.equal(fr.uniform(keys, (7,)), want) and len(loads) == 1

@@ -121,12 +121,6 @@ def _leave_pool(device: torch.device, pool: Any) -> None:
             getattr(torch._C, leave)(index, pool)
 
 
-# A capture of this many steps or more waits for fnebm.random's Triton loader, if it is still loading
-# (the first call of a process): a graph holding the torch path's keys and draws took 0.76 ms a step
-# more than one holding Triton's (H100, the 784-D MLP's Langevin step, bench/gpu_graph_check.py with
-# and without --torch-draws), and the loader takes about 0.6 s at most.
-_TRITON_WAIT_STEPS = 512
-
 _SIDE_STREAMS: dict = {}  # device -> the stream captures run on (one per device: each stream has its BLAS workspace)
 
 
@@ -359,8 +353,6 @@ class TorchEngine:
         with _checks.eager_block():
             g = self.graph
             if g is None:
-                if n - a >= _TRITON_WAIT_STEPS:
-                    fr._triton_wait()  # the graph replays its draws n - a times: Triton's, not the torch path's
                 g, failed = _Graphed.make(self.step, self.keys, state, ts[a])
                 if g is None:  # the warm-up step ran (and is kept) but the capture was not made
                     self.graph_failed = failed
