@@ -7,7 +7,9 @@ Each worker process imports fnebm and torch, starts CUDA, builds bench/user.py's
 GPU and times one implementation's first call, second call and the median of 5 more (warm).
 Rows: ``plain`` (bench/user.py's loop), ``triton`` (fnebm's defaults), ``torch`` (fnebm's defaults
 with ``fnebm.random._TRITON_EAGER_DEVICES = ()`` and ``_TRITON_DRAWS = False``: keys and draws by
-torch operations, which the step's CUDA graph then holds as more, smaller kernels). The first
+torch operations, which the step's CUDA graph then holds as more, smaller kernels).
+``--steps N`` runs N steps a call instead of the workload's; ``--profile ROW`` prints a cProfile of
+ROW's first call in a fresh process (after one ``triton`` process has filled the caches). The first
 process of all (a ``triton`` row) fills Triton's on-disk cache and is reported apart. Also times
 ``import triton`` after ``import torch`` in a fresh process. Needs CUDA; writes nothing.
 """
@@ -26,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def worker(row: str, workload: str) -> dict:
+def worker(row: str, workload: str, steps: int | None = None, profile: bool = False) -> dict:
     t0 = time.perf_counter()
     import fnebm  # noqa: F401
     import torch
@@ -43,12 +45,24 @@ def worker(row: str, workload: str) -> dict:
         fnebm.random._TRITON_EAGER_DEVICES = ()
         fnebm.random._TRITON_DRAWS = False
     net, x0 = gpu_user._net_and_start(workload, "cuda")
-    steps = gpu_user.WORKLOADS[workload][2]
+    steps = steps or gpu_user.WORKLOADS[workload][2]
     run = user.make_plain(net, x0, steps) if row == "plain" else gpu_user.make_fnebm(net, x0, steps, None)
     ts = []
-    for _ in range(7):
+    for i in range(7):
         torch.cuda.synchronize()
         t = time.perf_counter()
+        if profile and i == 0:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            out = prof.runcall(run)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+            st = pstats.Stats(prof).sort_stats("cumulative")
+            st.print_stats(45)
+            st.sort_stats("tottime").print_stats(25)
+            continue
         out = run()
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
@@ -61,10 +75,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload", default="mlp784")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--profile", default=None, help="a row whose first call is profiled, instead of the rounds")
     ap.add_argument("--worker", default=None)
     args = ap.parse_args()
     if args.worker:
-        print("@@ " + json.dumps(worker(args.worker, args.workload)), flush=True)
+        print("@@ " + json.dumps(worker(args.worker, args.workload, args.steps, args.profile == args.worker)), flush=True)
         return
     import torch
 
@@ -74,14 +90,21 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
 
     def spawn(row):
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", row, "--workload", args.workload],
-                           env=env, capture_output=True, text=True, timeout=120)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", row, "--workload", args.workload]
+        cmd += ["--steps", str(args.steps)] if args.steps else []
+        cmd += ["--profile", args.profile] if args.profile else []
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        if args.profile:
+            print(r.stdout[-12000:], r.stderr[-3000:])
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")]
         if r.returncode or not lines:
             return {"error": r.stderr[-1500:]}
         return json.loads(lines[-1][3:])
 
     print("machine's first fnebm process (fills Triton's cache):", json.dumps(spawn("triton")))
+    if args.profile:
+        spawn(args.profile)
+        return
     imp = subprocess.run([sys.executable, "-c", "import torch, time; t = time.perf_counter(); import triton; "
                           "print(time.perf_counter() - t)"], capture_output=True, text=True, timeout=60)
     print(f"import triton after import torch: {imp.stdout.strip()} s")
