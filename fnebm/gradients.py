@@ -62,7 +62,12 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     autograd pass, so an eager step is cheaper and a compiled graph smaller and quicker to
     build; gradients through it (w.r.t. the energy's parameters or the position) still flow,
     by autograd of those formulas. Any other energy: one backward pass of ``torch.func`` gives
-    both, which is why samplers cache the pair. Over chain axes these are mapped with ``vmap``.
+    both, which is why samplers cache the pair. Over chain axes these are mapped with ``vmap``;
+    eagerly, on plain tensors, a one-sample function's pairs for all chains come from one
+    ``vmap``-ed forward pass and ``torch.autograd.grad`` on a CUDA device (the same numbers to
+    float rounding, and no import of Dynamo, which ``torch.func``'s backward pass loads at its
+    first use), except where a tensor the function reads from elsewhere requires grad (the
+    ``torch.func`` path then keeps the graph to it).
 
     An energy with a whole-batch form (``energy.batched``: :func:`~fnebm.energies.from_module`,
     :func:`~fnebm.energies.batched`) is evaluated for all chains at once, one forward and one
@@ -76,22 +81,29 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     """
     _check(energy)
     chain_ndim = _checks.check_int("chain_ndim", chain_ndim, 0)
-    batch = None if _closed_form(energy) else batch_form(energy)
+    closed = _closed_form(energy)
+    batch = None if closed else batch_form(energy)
+    mapped = batch is None and not closed  # a one-sample function: its vmap, eagerly on _AUTOGRAD_DEVICES
+    if mapped:
+        batch = torch.func.vmap(energy)
     if batch is None or chain_ndim == 0:
         fn = _one_sample(energy)
         for _ in range(chain_ndim):
             fn = torch.func.vmap(fn)
-        return fn if batch is None else functools.partial(_one_sample_of_a_batch, energy, batch, fn)
+        return fn if batch is None else functools.partial(_one_sample_of_a_batch, energy, batch, mapped, fn)
+    one = _one_sample(energy)
+    for _ in range(chain_ndim if mapped else 0):
+        one = torch.func.vmap(one)
 
     def batched(x: Tensor) -> tuple[Tensor, Tensor]:
         chains = x.shape[:chain_ndim]
         xs = x.flatten(0, chain_ndim - 1)  # (n, *event); a view for contiguous chain axes
-        if _plain_eager(energy, xs):
-            with torch.enable_grad():
-                leaf = xs.detach().requires_grad_(True)
-                value = plain_batch(energy, batch)(leaf)
-                (grad,) = torch.autograd.grad(value.sum(), leaf)
-            value = value.detach()
+        pair = (_autograd_pair(energy, batch, mapped, xs)
+                if _plain_eager(energy, xs) and (not mapped or xs.device.type in _AUTOGRAD_DEVICES) else None)
+        if pair is not None:
+            value, grad = pair
+        elif mapped:
+            return one(x)
         else:
             value, pullback = torch.func.vjp(batch, xs)
             (grad,) = pullback(torch.ones_like(value))
@@ -100,20 +112,72 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     return batched
 
 
-def _one_sample_of_a_batch(energy, batch, one, x: Tensor) -> tuple[Tensor, Tensor]:
-    """One sample of a batched energy. Under one ``vmap`` over plain samples (``vmap(alg.init)``)
-    the batch form runs on the whole batch, by ``torch.autograd.grad``, as a step does: one
-    forward and one backward instead of a ``torch.func.grad`` per sample (whose first use also
-    imports Dynamo, a second or more). Anywhere else, ``one`` (the one-sample form)."""
+# The devices where a one-sample function's eager gradients go by vmap's forward pass and
+# torch.autograd.grad. On a GPU the first torch.func backward pass of a process imported Dynamo,
+# sympy and FSDP: most of a MALA call's first 4.6-7.7 s on the lent H100, where the call took 0.19 s
+# again (bench/gpu_mala_profile.py). Not on the CPU: there the plain backward pass of a vmap-ed
+# forward met its intermediates in mixed layouts (a logistic regression's gradient for 1,024
+# chains: 7.3 against 4.9 ms by torch.func; the same bits), and the steps are not a CUDA graph's.
+_AUTOGRAD_DEVICES = ("cuda",)
+
+
+def _autograd_pair(energy, batch, mapped: bool, xs: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(energies (n,), gradients)`` of the plain batch ``xs`` by one forward pass of ``batch`` and
+    ``torch.autograd.grad``: the plain loop's way, without ``torch.func``'s transforms of the
+    backward pass (whose first use in a process also imports Dynamo, a second or more).
+
+    For a one-sample function (``mapped``: ``batch`` is its ``vmap``), ``None`` (the caller's
+    ``torch.func`` path, which raises what it raises) where the forward pass fails or gives no
+    energy per sample, and where a tensor the function reads from elsewhere requires grad (its
+    autograd graph reaches another leaf: a parameter in a closure, whose gradient the
+    ``torch.func`` path keeps a graph for); checked once per eager block of steps."""
+    with torch.enable_grad():
+        leaf = xs.detach().requires_grad_(True)
+        if mapped:
+            try:
+                value = batch(leaf)
+            except Exception:  # noqa: BLE001 - the one-sample path gives the error its own words
+                return None
+            if not isinstance(value, Tensor) or value.shape != xs.shape[:1] or not value.requires_grad:
+                return None
+            if not _checks.block_memo("own_leaf", energy, lambda: _reaches_only(value, leaf)):
+                return None
+        else:
+            value = plain_batch(energy, batch)(leaf)
+        (grad,) = torch.autograd.grad(value.sum(), leaf)
+    return value.detach(), grad
+
+
+def _reaches_only(value: Tensor, leaf: Tensor) -> bool:
+    """Whether ``value``'s autograd graph reaches no leaf tensor but ``leaf``."""
+    seen, todo = set(), [value.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        held = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
+        if held is not None and held is not leaf:
+            return False
+        todo.extend(n for n, _ in node.next_functions)
+    return True
+
+
+def _one_sample_of_a_batch(energy, batch, mapped: bool, one, x: Tensor) -> tuple[Tensor, Tensor]:
+    """One sample of a batched energy (or of a one-sample function, ``mapped``). Under one ``vmap``
+    over plain samples (``vmap(alg.init)``) the batch form runs on the whole batch, by
+    ``torch.autograd.grad``, as a step does: one forward and one backward instead of a
+    ``torch.func.grad`` per sample (whose first use also imports Dynamo, a second or more).
+    Anywhere else, ``one`` (the one-sample form)."""
     found = _vmapped_batch(energy, x)
-    if found is None:
+    if found is None or (mapped and found[0].device.type not in _AUTOGRAD_DEVICES):
         return one(x)
     xs, level = found
-    with _outside_vmap(), torch.enable_grad():
-        leaf = xs.detach().requires_grad_(True)
-        value = plain_batch(energy, batch)(leaf)
-        (grad,) = torch.autograd.grad(value.sum(), leaf)
-    return _add_batch_dim(value.detach(), 0, level), _add_batch_dim(grad, 0, level)
+    with _outside_vmap():
+        pair = _autograd_pair(energy, batch, mapped, xs)
+    if pair is None:
+        return one(x)
+    return _add_batch_dim(pair[0], 0, level), _add_batch_dim(pair[1], 0, level)
 
 
 try:  # functorch's own wrappers, as torch.func uses them; without them, the one-sample form serves

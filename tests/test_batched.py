@@ -48,6 +48,61 @@ def test_sampling_a_network_eagerly_loads_no_compiler_stack():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_sampling_a_log_density_written_as_a_function_eagerly_loads_no_compiler_stack():
+    # a one-sample function (a posterior a user wrote): its gradients for all chains by vmap's forward
+    # pass and torch.autograd.grad, not torch.func's backward, whose first use imports Dynamo (on the
+    # lent H100 they were most of a MALA call's first 4.6-7.7 s, with sympy and FSDP)
+    # (the route of CUDA devices, taken here on the CPU)
+    code = ("import fnebm, sys, torch\nfnebm.gradients._AUTOGRAD_DEVICES = ('cpu',)\n"
+            "X = torch.linspace(-1, 1, 30).reshape(10, 3)\n"
+            "energy = lambda b: torch.nn.functional.softplus(X @ b).sum() + 0.5 * (b * b).sum()\n"
+            "for alg in (fnebm.mala(energy, 0.1), fnebm.hmc(energy, 0.1, torch.ones(3), 3)):\n"
+            "    state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
+            "    fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)\n"
+            "print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_function_gives_torch_funcs_values_and_gradients_and_keeps_a_closures_graph(monkeypatch):
+    import pytest
+
+    import fnebm.gradients
+    from fnebm import value_and_grad
+
+    monkeypatch.setattr(fnebm.gradients, "_AUTOGRAD_DEVICES", ("cpu",))  # the route of CUDA devices
+    passes = []
+    real = fnebm.gradients._autograd_pair
+    monkeypatch.setattr(fnebm.gradients, "_autograd_pair", lambda *a: passes.append(1) or real(*a))
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(20, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(4, generator=g, dtype=torch.float64)
+
+    def energy(b):
+        return torch.nn.functional.softplus(X @ (b * w)).sum() + 0.5 * (b * b).sum()
+
+    xs = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    want_v, want_g = torch.func.vmap(torch.func.vmap(torch.func.grad_and_value(energy)))(xs)[::-1]
+    for got_v, got_g in (value_and_grad(energy, 2)(xs), torch.func.vmap(value_and_grad(energy))(xs.flatten(0, 1))):
+        torch.testing.assert_close(got_v.reshape(3, 5), want_v, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(got_g.reshape(xs.shape), want_g, rtol=1e-13, atol=1e-13)
+        assert not got_v.requires_grad and not got_g.requires_grad
+    assert len(passes) == 2  # each by the forward pass and torch.autograd.grad
+
+    # a parameter in the closure that requires grad: the torch.func path, whose values keep their graph
+    w.requires_grad_(True)
+    v, gr = value_and_grad(energy, 2)(xs)
+    assert v.requires_grad and gr.requires_grad
+    (dw,) = torch.autograd.grad(v.sum() + gr.sum(), w)
+    assert torch.isfinite(dw).all() and dw.abs().sum() > 0
+
+    # what the one-sample form refuses, the function path refuses in the same words
+    with pytest.raises(ValueError, match="0-dim tensor for one sample"):
+        value_and_grad(lambda b: X @ b, 1)(xs[0])
+
+
 def test_choosing_an_engine_for_a_network_imports_no_kernel_module():
     # backend="auto" turns the whole-chain kernels down for an energy outside their families before
     # importing them: on a GPU, importing the Triton kernels registered torch operators that loaded

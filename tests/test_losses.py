@@ -305,6 +305,16 @@ def test_cd_from_the_data_equals_the_reference_to_the_bit():
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
+def _taking_grad(y):
+    """Whether dE/dy is being taken: by torch.func (a grad-tracking y) or, eagerly, by
+    torch.autograd.grad (under vmap, a y whose batch requires grad)."""
+    if torch._C._functorch.is_gradtrackingtensor(y):
+        return True
+    while torch._C._functorch.is_batchedtensor(y):
+        y = torch._C._functorch.get_unwrapped(y)
+    return y.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(y)
+
+
 def test_cd_evaluates_the_positives_once():
     # A counting energy: `traced` says whether dE/dx is being taken (the sampler's evaluations) or
     # only E (the loss's). With init="data" the loss evaluates E(x⁻) alone: E(x⁺) comes from the
@@ -314,7 +324,7 @@ def test_cd_evaluates_the_positives_once():
     net = _mlp_energy(4)
 
     def counting(params, y):
-        calls.append(torch._C._functorch.is_gradtrackingtensor(y))
+        calls.append(_taking_grad(y))
         return net.energy_fn(params, y)
 
     energy = E.bind(counting, net.params)
