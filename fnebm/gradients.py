@@ -96,10 +96,11 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
         one = torch.func.vmap(one)
 
     def batched(x: Tensor) -> tuple[Tensor, Tensor]:
+        if mapped and x.device.type not in _AUTOGRAD_DEVICES:
+            return one(x)
         chains = x.shape[:chain_ndim]
         xs = x.flatten(0, chain_ndim - 1)  # (n, *event); a view for contiguous chain axes
-        pair = (_autograd_pair(energy, batch, mapped, xs)
-                if _plain_eager(energy, xs) and (not mapped or xs.device.type in _AUTOGRAD_DEVICES) else None)
+        pair = _autograd_pair(energy, batch, mapped, xs) if _plain_eager(energy, xs) else None
         if pair is not None:
             value, grad = pair
         elif mapped:

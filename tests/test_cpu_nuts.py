@@ -457,3 +457,36 @@ def test_under_torch_compile_a_plain_function_takes_the_torch_kernel(monkeypatch
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert "torch.compile is tracing the step" in cpu_nuts.why_not(lambda x: energy(x), *args, evaluated=True)
     assert cpu_nuts.why_not(energy, *args, evaluated=True) is None  # a family: one op in the graph
+
+
+def test_a_first_nuts_init_on_cpu_float32_starts_building_the_kernel_on_a_thread(monkeypatch):
+    # the library builds while the run's other first work does (the draws' own C library): once per
+    # process, where it is not on disk, and only for positions the kernel runs on
+    import threading
+
+    from fnebm.kernels import cpu_nuts as cn
+
+    class Library:
+        def __init__(self, on_disk):
+            self.on_disk, self.loads, self.done = on_disk, [], threading.Event()
+
+        def built(self):
+            return self.on_disk
+
+        def load(self):
+            self.loads.append(threading.current_thread().name)
+            self.done.set()
+
+    energy = lambda x: 0.5 * (x * x).sum()  # noqa: E731
+    for on_disk, dtype, loads in ((False, torch.float64, []), (True, torch.float32, []),
+                                  (False, torch.float32, ["fnebm-build-nuts"])):
+        lib = Library(on_disk)
+        monkeypatch.setattr(cn, "LIBRARY", lib)
+        monkeypatch.setattr(cn, "_prefetched", False)
+        alg = fnebm.nuts(energy, 0.1)
+        torch.func.vmap(alg.init)(torch.zeros(3, 2, dtype=dtype))
+        if loads:
+            assert lib.done.wait(10)
+        assert lib.loads == loads, (on_disk, dtype)
+    torch.func.vmap(alg.init)(torch.zeros(3, 2))  # once per process
+    assert lib.loads == ["fnebm-build-nuts"]

@@ -91,6 +91,8 @@ torch.serialization.add_safe_globals([NUTSState, NUTSInfo])
 
 def init(position: Tensor, energy_fn: Callable[[Tensor], Tensor]) -> NUTSState:
     """One chain's state at ``position: (d,)``; ``torch.func.vmap`` it for many chains."""
+    if position.device.type == "cpu" and position.dtype == torch.float32:
+        cpu_nuts.prefetch()  # where the C transition will run: its library, if not built yet, builds now
     return init_position_state(NUTSState, position, energy_fn)
 
 
