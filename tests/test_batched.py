@@ -17,11 +17,17 @@ from fnebm.kernels import _assume_constant_result
 HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "triton")
 
 
-def test_import_fnebm_loads_no_compiler_stack():
-    code = "import fnebm, sys; print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,)
+def _heavy_after(code: str) -> tuple[str, str]:
+    """``code`` run in a fresh process, then which of HEAVY it loaded (a printed list), and its stderr."""
+    code += "\nimport sys; print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1], out.stderr
+
+
+def test_import_fnebm_loads_no_compiler_stack():
+    loaded, err = _heavy_after("import fnebm")
+    assert loaded == "[]", loaded + err
 
 
 def test_import_fnebm_leaves_the_garbage_collector_as_it_found_it():
@@ -37,15 +43,13 @@ def test_import_fnebm_leaves_the_garbage_collector_as_it_found_it():
 def test_sampling_a_network_eagerly_loads_no_compiler_stack():
     # the first eager run of a neural energy (init under vmap, steps) uses no torch.func.grad,
     # whose first call would import Dynamo (1-3 s)
-    code = ("import fnebm, sys, torch; from fnebm import energies as E\n"
+    code = ("import fnebm, torch; from fnebm import energies as E\n"
             "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
             "alg = fnebm.mala(E.bind(*E.from_module(net)), 0.1)\n"
             "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
-            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)\n"
-            "print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)")
+    loaded, err = _heavy_after(code)
+    assert loaded == "[]", loaded + err
 
 
 def test_sampling_a_log_density_written_as_a_function_eagerly_loads_no_compiler_stack():
@@ -53,16 +57,14 @@ def test_sampling_a_log_density_written_as_a_function_eagerly_loads_no_compiler_
     # pass and torch.autograd.grad, not torch.func's backward, whose first use imports Dynamo (on the
     # lent H100 they were most of a MALA call's first 4.6-7.7 s, with sympy and FSDP)
     # (the route of CUDA devices, taken here on the CPU)
-    code = ("import fnebm, sys, torch\nfnebm.gradients._AUTOGRAD_DEVICES = ('cpu',)\n"
+    code = ("import fnebm, torch\nfnebm.gradients._AUTOGRAD_DEVICES = ('cpu',)\n"
             "X = torch.linspace(-1, 1, 30).reshape(10, 3)\n"
             "energy = lambda b: torch.nn.functional.softplus(X @ b).sum() + 0.5 * (b * b).sum()\n"
             "for alg in (fnebm.mala(energy, 0.1), fnebm.hmc(energy, 0.1, torch.ones(3), 3)):\n"
             "    state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
-            "    fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)\n"
-            "print(sorted(m for m in %r if m in sys.modules))" % (HEAVY,))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+            "    fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, compile=False, progress=False)")
+    loaded, err = _heavy_after(code)
+    assert loaded == "[]", loaded + err
 
 
 def test_a_function_gives_torch_funcs_values_and_gradients_and_keeps_a_closures_graph(monkeypatch):
