@@ -86,14 +86,12 @@ def value_and_grad(energy: Callable[[Tensor], Tensor], chain_ndim: int = 0) -> C
     mapped = batch is None and not closed  # a one-sample function: its vmap, eagerly on _AUTOGRAD_DEVICES
     if mapped:
         batch = torch.func.vmap(energy)
-    if batch is None or chain_ndim == 0:
-        fn = _one_sample(energy)
-        for _ in range(chain_ndim):
-            fn = torch.func.vmap(fn)
-        return fn if batch is None else functools.partial(_one_sample_of_a_batch, energy, batch, mapped, fn)
     one = _one_sample(energy)
-    for _ in range(chain_ndim if mapped else 0):
-        one = torch.func.vmap(one)
+    if batch is None or chain_ndim == 0 or mapped:  # the one-sample form: the answer, or the fallback
+        for _ in range(chain_ndim):
+            one = torch.func.vmap(one)
+    if batch is None or chain_ndim == 0:
+        return one if batch is None else functools.partial(_one_sample_of_a_batch, energy, batch, mapped, one)
 
     def batched(x: Tensor) -> tuple[Tensor, Tensor]:
         if mapped and x.device.type not in _AUTOGRAD_DEVICES:
@@ -170,8 +168,10 @@ def _one_sample_of_a_batch(energy, batch, mapped: bool, one, x: Tensor) -> tuple
     ``torch.autograd.grad``, as a step does: one forward and one backward instead of a
     ``torch.func.grad`` per sample (whose first use also imports Dynamo, a second or more).
     Anywhere else, ``one`` (the one-sample form)."""
+    if mapped and x.device.type not in _AUTOGRAD_DEVICES:
+        return one(x)
     found = _vmapped_batch(energy, x)
-    if found is None or (mapped and found[0].device.type not in _AUTOGRAD_DEVICES):
+    if found is None:
         return one(x)
     xs, level = found
     with _outside_vmap():

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
-
-import threading
 
 import torch
 import torch.utils._pytree as pytree
