@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The wheel works outside the checkout: build it, install it into a fresh venv in a temporary
-# folder, and check there that both C kernels build from the files the wheel ships (a fresh
-# FNEBM_CACHE_DIR, so nothing built from the checkout is reused), run, and agree with their
-# twins, and that `fnebm demo` takes the C kernel. About 30 s on 2 cores.
+# folder, and check there that the C libraries the build compiled (setup.py's step) load with
+# nothing built (a fresh FNEBM_CACHE_DIR stays empty); that with them passed over
+# (FNEBM_PREBUILT=0) both C kernels build from the files the wheel ships (a fresh FNEBM_CACHE_DIR,
+# so nothing built from the checkout is reused), run, and agree with their twins; and that
+# `fnebm demo` takes the C kernel. About 40 s on 2 cores.
 #
 # The venv sees the system site-packages (torch is not installed again: that alone takes ~45 s
 # here), but not the checkout: PYTHONPATH is cleared, it runs from the temporary folder, and it
@@ -26,7 +28,32 @@ echo "wheel_check: built ${wheel[0]##*/}"
 "$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-index "${wheel[0]}"
 
 cd "$work"
-export FNEBM_CACHE_DIR="$work/cache"
+# the installation's own builds: loaded, nothing compiled, nothing written to the cache
+FNEBM_CACHE_DIR="$work/cache-prebuilt" "$work/venv/bin/python" - <<'EOF'
+import os, sys
+
+import torch
+
+import fnebm
+from fnebm import _cbuild, _random_cpu, random as fr
+from fnebm.kernels import cpu_chain, cpu_nuts
+
+where = os.path.realpath(fnebm.__file__)
+assert where.startswith(os.path.realpath(sys.prefix) + os.sep), f"fnebm was imported from {where}, not the venv"
+libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY)
+assert sorted(lib.stem for lib in libraries) == sorted(_cbuild.LIBRARIES)
+for lib in libraries:
+    assert lib.load() is not None, f"{lib.stem} did not load: {lib.why}"
+    assert lib.origin == "prebuilt" and lib.build_s == 0, (lib.stem, lib.origin, lib.passed_over)
+x = fr.normal(fr.key(0), (4, 3))
+assert torch.isfinite(x).all()
+cache = os.environ["FNEBM_CACHE_DIR"]
+built = [f for f in os.listdir(cache) if f.endswith(".so")] if os.path.isdir(cache) else []
+assert not built, f"libraries were built although the installation has its own: {built}"
+print(f"wheel_check: the wheel's prebuilt C libraries load, nothing built ({', '.join(_cbuild.LIBRARIES)})")
+EOF
+
+export FNEBM_CACHE_DIR="$work/cache" FNEBM_PREBUILT=0
 "$work/venv/bin/python" - <<'EOF'
 import os, sys
 

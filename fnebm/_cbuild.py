@@ -10,6 +10,14 @@ torch's version; later processes load it from there. The build is
 atomic (compiled beside the target, then renamed) and holds a file lock, so concurrent processes
 build once. Where no compiler works, :meth:`CLibrary.available` says why and callers fall back.
 
+An installation may carry its own builds (:data:`PREBUILT`, ``fnebm/kernels/_prebuilt``): ``pip
+install`` of fnebm compiles the libraries of :data:`LIBRARIES` for the installing machine
+(``setup.py`` calls :func:`prebuild`), so that its first run builds nothing. Such a library is
+loaded only where it was built for this very build: the same sources, flags, CPU (its instruction
+sets) and architecture, recorded beside it as an identity, and its SHA-256 the recorded one; any
+other (a wheel carried to another CPU, an edited source in a checkout, a damaged file) is passed
+over, and the library is built into the cache as above. ``FNEBM_PREBUILT=0`` passes them over too.
+
 A cached library is checked before it is loaded: its SHA-256 and size are recorded beside it at
 build time (``<name>.so.sha256``, written after the library, each by an atomic rename), and a
 library whose record is missing or does not match — truncated by a full disk, overwritten, left
@@ -40,8 +48,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 # -O2: as fast as -O3 here (the loops that matter are `omp simd`, vectorised either way; W1 27.6 vs
 # 28.2 ms, W3 38.4 vs 39.5 ms) and half the build time of -O3 (build times: docs/performance.md).
 # -mprefer-vector-width=512 (x86 only): GCC's tuning for AVX-512 CPUs picks 256-bit vectors unless
@@ -55,6 +61,78 @@ _FORMAT = b"fnebm-cbuild-2"
 KEEP = 3  # builds of each library kept in a cache folder (the one just built included) ...
 _RECENT_S = 86400.0  # ... besides those used in the last day (several installations at work)
 _STALE_BUILD_S = 3600.0  # a temporary build folder older than this was left by a killed build
+
+
+KERNELS = Path(__file__).resolve().parent / "kernels"  # the C sources, their header, and PREBUILT
+
+# The libraries fnebm builds, written once for the modules that load them and for prebuild():
+# stem -> ((source, defines) per object, compiled at once), the files the build reads
+LIBRARIES: dict[str, tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[str, ...]]] = {
+    # fnebm._random_cpu: one source compiled twice (the float32 draws; the float64 draws and the keys)
+    "cpu_random": ((("_cpu_random.c", ("-DFNEBM_RANDOM_PART=0",)), ("_cpu_random.c", ("-DFNEBM_RANDOM_PART=1",))),
+                   ("_cpu_random.c", "_cpu_common.h")),
+    # fnebm.kernels.cpu_chain: Langevin and MALA are the one source compiled twice (-DFNEBM_MALA=0/1)
+    "cpu_chain": ((("_cpu_chain.c", ("-DFNEBM_MALA=0",)), ("_cpu_chain.c", ("-DFNEBM_MALA=1",))),
+                  ("_cpu_chain.c", "_cpu_common.h")),
+    # fnebm.kernels.cpu_nuts. -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's
+    # two operations do (the kernel's tree decisions compare against thresholds; the fewer rounding
+    # differences the better)
+    "cpu_nuts": ((("_cpu_nuts.c", ("-ffp-contract=off",)),), ("_cpu_nuts.c", "_cpu_common.h")),
+}
+
+# What the installation built (prebuild(), from setup.py): <stem>.so, its checksum record, and
+# <stem>.so.identity, the build's identity (CLibrary.identity)
+PREBUILT = KERNELS / "_prebuilt"
+
+
+def library(stem: str, setup: Callable[[ctypes.CDLL], None]) -> "CLibrary":
+    """The :class:`CLibrary` of :data:`LIBRARIES`' ``stem``, its sources in :data:`KERNELS`."""
+    objects, files = LIBRARIES[stem]
+    return CLibrary(stem, [(KERNELS / src, defines) for src, defines in objects], [KERNELS / f for f in files], setup)
+
+
+def prebuild(folder: Path | str | None = None, stems: Sequence[str] | None = None) -> dict[str, str | None]:
+    """Compiles :data:`LIBRARIES` (or ``stems`` of them) into ``folder`` (default :data:`PREBUILT`)
+    for this machine, each with its checksum record and identity, the libraries at once; what
+    ``setup.py`` runs when fnebm is installed. Returns, per stem, ``None`` or why it was not built
+    (no compiler, a failed build); it never raises for a failed build. It needs no torch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = Path(PREBUILT if folder is None else folder)
+    stems = list(LIBRARIES if stems is None else stems)
+    cc = compiler()
+    if cc is None:
+        return {stem: f"no C compiler found (set CC; tried {os.environ.get('CC') or 'cc'})" for stem in stems}
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def one(stem: str) -> str | None:
+        lib = library(stem, lambda _: None)
+        target = folder / f"{stem}.so"
+        try:
+            lib._compile(cc, target)
+            _write_atomic(identity_path(target), lib.identity() + "\n")
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        return None
+
+    with ThreadPoolExecutor(len(stems) or 1) as pool:
+        return dict(zip(stems, pool.map(one, stems)))
+
+
+def identity_path(library: Path) -> Path:
+    """The file beside a prebuilt ``library`` that records the identity of its build."""
+    return library.with_name(library.name + ".identity")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def compiler() -> list[str] | None:
@@ -119,14 +197,7 @@ def _write_memo(name: str, text: str) -> None:
         if not _usable(folder):
             continue
         with contextlib.suppress(OSError):
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, folder / name)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            _write_atomic(folder / name, text)
         return
 
 
@@ -277,10 +348,16 @@ class CLibrary:
         self.why: str | None = None  # why the library is unavailable, once a build failed
         self.build_s = 0.0  # seconds this process spent compiling it (0 when it was found on disk)
         self.damaged: str | None = None  # a damaged cached copy this process found (and rebuilt)
+        # where the loaded library came from: "prebuilt" (the installation's), "cache" (built by an
+        # earlier process), "built" (by this one); None until it is loaded
+        self.origin: str | None = None
+        self.passed_over: str | None = None  # why the installation's prebuilt library was not taken
         self._lock = threading.Lock()
 
     def name(self, cc: list[str]) -> str:
         """The file name: a hash of the sources, the flags, the compiler, the CPU and torch."""
+        import torch
+
         version = compiler_version(cc)
         try:
             parts = [f.read_bytes() for f in self.files]
@@ -291,6 +368,38 @@ class CLibrary:
                   version.encode(), _cpu_id().encode(), torch.__version__.encode(), _FORMAT]
         digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
         return f"{self.stem}-{digest}.so"
+
+    def identity(self) -> str:
+        """What a prebuilt library must have been built from to be loaded here: a hash of the
+        sources, the objects' defines, the flags, the CPU's instruction sets and the architecture
+        (not the compiler: any build for this CPU will do; not torch, which the libraries do not link)."""
+        parts = [f.read_bytes() for f in self.files]
+        parts += [repr([(s.name, d) for s, d in self.objects]).encode(), " ".join(FLAGS).encode(),
+                  _cpu_id().encode(), platform.machine().encode(), _FORMAT]
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+    def _prebuilt(self) -> Path | None:
+        """The installation's build of this library where it is one for this machine and intact;
+        else ``None``, with :attr:`passed_over` saying why when there was one."""
+        if os.environ.get("FNEBM_PREBUILT", "1").strip() == "0":
+            return None
+        path = PREBUILT / f"{self.stem}.so"
+        try:
+            recorded = identity_path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None  # none was built (an editable install, a checkout, no compiler at install)
+        try:
+            if recorded != self.identity():
+                self.passed_over = ("it was built for another CPU, other sources or other flags "
+                                    "(a wheel built elsewhere, or sources edited since)")
+                return None
+        except OSError:
+            return None
+        problem = check(path)
+        if problem is not None:
+            self.passed_over = f"the installation's {path} is damaged: {problem}"
+            return None
+        return path
 
     def _cached(self, name: str) -> tuple[Path | None, str | None]:
         """``(an intact cached library, None)``, or ``(None, what is wrong with a damaged one)``, or
@@ -308,6 +417,8 @@ class CLibrary:
     def built(self) -> bool:
         """Whether it is ready without compiling: loaded, failed for good, or found intact on disk."""
         if self.lib is not None or self.why is not None:
+            return True
+        if self._prebuilt() is not None:
             return True
         cc = compiler()
         if cc is None:
@@ -415,6 +526,16 @@ class CLibrary:
         with self._lock:
             if self.lib is not None or self.why is not None:
                 return self.lib
+            path = self._prebuilt()
+            if path is not None:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError as exc:
+                    self.passed_over = f"the installation's {path} does not load: {exc}"
+                else:
+                    self.setup(lib)
+                    self.lib, self.origin = lib, "prebuilt"
+                    return lib
             cc = compiler()
             if cc is None:
                 self.why = f"no C compiler found (set CC; tried {os.environ.get('CC') or 'cc'})"
@@ -428,7 +549,7 @@ class CLibrary:
             with contextlib.suppress(OSError):
                 os.utime(record_path(path))  # the last use, which pruning keeps the most recent of
             self.setup(lib)
-            self.lib = lib
+            self.lib, self.origin = lib, ("built" if self.build_s > 0 else "cache")
             return lib
 
     def available(self) -> str | None:

@@ -12,13 +12,9 @@ no state, so threads may call them at once.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
-from fnebm._cbuild import CLibrary
+from fnebm._cbuild import library
 
-_HERE = Path(__file__).parent / "kernels"
-_SOURCE = _HERE / "_cpu_random.c"
-_HEADER = _HERE / "_cpu_common.h"
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -32,8 +28,7 @@ def _setup(lib: ctypes.CDLL) -> None:
 
 
 # one source compiled twice (the float32 draws; the float64 draws and the keys), in parallel
-LIBRARY = CLibrary("cpu_random", [(_SOURCE, ("-DFNEBM_RANDOM_PART=0",)), (_SOURCE, ("-DFNEBM_RANDOM_PART=1",))],
-                   [_SOURCE, _HEADER], _setup)
+LIBRARY = library("cpu_random", _setup)
 
 
 def load() -> ctypes.CDLL | None:

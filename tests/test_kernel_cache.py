@@ -23,9 +23,12 @@ from fnebm.kernels import _cbuild
 # In a child process: a run of the chain kernel (MALA) or the NUTS kernel, and the same run's
 # eager / torch-kernel steps; what the library reports, as JSON
 _RUN = """
-import json, sys, torch, fnebm
-from fnebm import energies, random as fr
+import json, os, sys, torch, fnebm
+from pathlib import Path
+from fnebm import _cbuild, energies, random as fr
 from fnebm.kernels import cpu_chain, cpu_nuts
+if "TEST_PREBUILT" in os.environ:  # an installation's prebuilt libraries, as setup.py leaves them
+    _cbuild.PREBUILT = Path(os.environ["TEST_PREBUILT"])
 which = sys.argv[1]
 plans = []
 if which == "chain":
@@ -43,7 +46,8 @@ else:
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 ran = plans[0].kernel if which == "chain" else module.LIBRARY.lib is not None
 print(json.dumps(dict(kernel=ran, reason=plans[0].reason, build_s=module.build_seconds(),
-                      damaged=module.LIBRARY.damaged, why=module.LIBRARY.why)))
+                      damaged=module.LIBRARY.damaged, why=module.LIBRARY.why, origin=module.LIBRARY.origin,
+                      passed_over=module.LIBRARY.passed_over)))
 """
 
 
@@ -195,15 +199,76 @@ def test_the_package_data_ships_every_file_the_kernels_build_from():
     import fnmatch
     import tomllib
 
+    from fnebm import _random_cpu
     from fnebm.kernels import cpu_chain, cpu_nuts
 
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fnebm"]
     package = root / "fnebm"
-    for library in (cpu_chain.LIBRARY, cpu_nuts.LIBRARY):
+    libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY)
+    assert sorted(lib.stem for lib in libraries) == sorted(_cbuild.LIBRARIES)  # setup.py prebuilds these
+    for library in libraries:
         for f in {*library.files, *(src for src, _ in library.objects)}:
             rel = f.resolve().relative_to(package).as_posix()
             assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in the package data {globs}"
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory) -> Path:
+    """What an installation carries: the NUTS kernel built by prebuild() (setup.py's step)."""
+    folder = tmp_path_factory.mktemp("prebuilt") / "_prebuilt"
+    assert _cbuild.prebuild(folder, stems=["cpu_nuts"]) == {"cpu_nuts": None}
+    assert sorted(p.name for p in folder.iterdir()) == ["cpu_nuts.so", "cpu_nuts.so.identity", "cpu_nuts.so.sha256"]
+    return folder
+
+
+def test_an_installations_prebuilt_library_is_loaded_and_nothing_is_built(prebuilt, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    # even with no compiler: the installation built it (the child compares the draws with the torch kernel's)
+    result = _child(cache, "nuts", TEST_PREBUILT=str(prebuilt), CC=str(tmp_path / "no-such-cc"))
+    assert result["kernel"] and result["origin"] == "prebuilt" and result["build_s"] == 0, result
+    assert result["passed_over"] is None
+    assert not list(cache.glob("cpu_nuts-*")), list(cache.iterdir())
+
+
+@pytest.mark.parametrize("how", ["another machine", "damaged", "turned off"])
+def test_a_prebuilt_library_not_for_this_build_is_passed_over(built, prebuilt, tmp_path, how):
+    # a wheel carried to another CPU (or sources edited since), a damaged file, FNEBM_PREBUILT=0:
+    # the library comes from the cache (or a build) as without one, and the reason is kept
+    folder = tmp_path / "_prebuilt"
+    shutil.copytree(prebuilt, folder)
+    library, env = folder / "cpu_nuts.so", {}
+    if how == "another machine":
+        _cbuild.identity_path(library).write_text("0" * 64 + "\n")
+    elif how == "damaged":
+        _damage(library, "half")
+    else:
+        env["FNEBM_PREBUILT"] = "0"
+    cache, _ = _copy(built, tmp_path)
+    result = _child(cache, "nuts", TEST_PREBUILT=str(folder), **env)
+    assert result["kernel"] and result["origin"] == "cache" and result["build_s"] == 0, result
+    want = {"another machine": "built for another CPU", "damaged": "is damaged", "turned off": None}[how]
+    assert (result["passed_over"] is None) if want is None else (want in result["passed_over"]), result
+
+
+def test_prebuild_without_a_compiler_says_why_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    got = _cbuild.prebuild(tmp_path / "_prebuilt")
+    assert sorted(got) == sorted(_cbuild.LIBRARIES)
+    assert all("no C compiler found" in why for why in got.values()), got
+    assert not (tmp_path / "_prebuilt").exists()
+
+
+def test_the_build_step_loads_cbuild_without_torch(tmp_path):
+    # setup.py runs _cbuild.py on its own in pip's build environment, where torch is not installed
+    code = ("import importlib.util, sys; sys.modules['torch'] = None\n"
+            "spec = importlib.util.spec_from_file_location('cb', sys.argv[1])\n"
+            "cb = importlib.util.module_from_spec(spec); spec.loader.exec_module(cb)\n"
+            "print(sorted(cb.LIBRARIES), cb.KERNELS)")
+    done = subprocess.run([sys.executable, "-c", code, _cbuild.__file__], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "cpu_nuts" in done.stdout and str(Path(_cbuild.__file__).parent / "kernels") in done.stdout
 
 
 

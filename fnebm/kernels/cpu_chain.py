@@ -26,18 +26,15 @@ compiled runner as before. Called through ``ctypes``, which releases the GIL.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from fnebm.kernels import families
-from fnebm.kernels._cbuild import FLAGS, CLibrary
+from fnebm.kernels._cbuild import FLAGS, library
 
 __all__ = ["available", "built", "build_seconds", "covers", "langevin_chain", "mala_chain", "run_into", "FLAGS"]
 
-_SOURCE = Path(__file__).with_name("_cpu_chain.c")
-_HEADER = Path(__file__).with_name("_cpu_common.h")
 
 
 class _Args(ctypes.Structure):
@@ -57,8 +54,7 @@ def _setup(lib: ctypes.CDLL) -> None:
 
 
 # Langevin and MALA are the one source compiled twice (-DFNEBM_MALA=0/1), in parallel
-LIBRARY = CLibrary("cpu_chain", [(_SOURCE, ("-DFNEBM_MALA=0",)), (_SOURCE, ("-DFNEBM_MALA=1",))],
-                   [_SOURCE, _HEADER], _setup)
+LIBRARY = library("cpu_chain", _setup)
 
 
 def built() -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -33,12 +32,11 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fnebm.kernels import _assume_constant_result, cpu_chain, families
-from fnebm.kernels._cbuild import CLibrary
+from fnebm.kernels._cbuild import library
 
 __all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "nuts_transitions", "nuts_warmup",
            "Warmup", "MAX_COEFFICIENTS"]
 
-_SOURCE = Path(__file__).with_name("_cpu_nuts.c")
 MAX_COEFFICIENTS = 15  # the C kernel's MAX_COEF: integrators of up to 7 gradient evaluations per step
 
 
@@ -84,9 +82,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.fnebm_nuts_done.restype = ctypes.c_int64
 
 
-# -ffp-contract=off: no fused multiply-adds, so a - c * b rounds as torch's two operations do (the
-# kernel's tree decisions compare against thresholds; the fewer rounding differences the better)
-LIBRARY = CLibrary("cpu_nuts", [(_SOURCE, ("-ffp-contract=off",))], [_SOURCE, cpu_chain._HEADER], _setup)
+# built with -ffp-contract=off (fnebm._cbuild.LIBRARIES says why)
+LIBRARY = library("cpu_nuts", _setup)
 
 
 _prefetched = False
