@@ -1,9 +1,10 @@
-"""fnebm's build: setuptools, its metadata in ``pyproject.toml``. One step is added: a wheel or a
-regular install compiles the C kernels for the installing machine into the package
-(``fnebm/kernels/_prebuilt``, :func:`fnebm._cbuild.prebuild`), so that the first run after
-``pip install`` builds nothing. Without a working C compiler, or where the build fails, it says so
-and goes on: the kernels then build on first use, as they do in an editable install (whose
-runs build into ``~/.cache/fnebm``) and wherever the prebuilt ones do not match the machine.
+"""fnebm's build: setuptools, its metadata in ``pyproject.toml``. One step is added: an install
+compiles the C kernels for the installing machine into the package (``fnebm/kernels/_prebuilt``,
+:func:`fnebm._cbuild.prebuild`), so that the first run after ``pip install`` builds nothing: into
+the wheel's copy of the package, or, for ``pip install -e``, into the checkout (as setuptools
+builds extensions in place; git ignores it). Without a working C compiler, or where a build
+fails, it says so and goes on: the kernels then build on first use into ``~/.cache/fnebm``, as
+they do wherever the prebuilt ones do not match the machine or the sources (edited since).
 ``FNEBM_PREBUILD=0`` skips the step.
 """
 
@@ -19,10 +20,11 @@ from setuptools.dist import Distribution
 class BuildPyAndKernels(build_py):
     def run(self):
         super().run()
-        if getattr(self, "editable_mode", False) or os.environ.get("FNEBM_PREBUILD", "1").strip() == "0":
+        if os.environ.get("FNEBM_PREBUILD", "1").strip() == "0":
             return
-        package = Path(self.build_lib) / "fnebm"
-        # the build's own copy of fnebm/_cbuild.py, loaded alone: it needs no torch (not installed yet)
+        editable = getattr(self, "editable_mode", False)
+        package = (Path(__file__).resolve().parent if editable else Path(self.build_lib)) / "fnebm"
+        # that package's fnebm/_cbuild.py, loaded alone: it needs no torch (maybe not installed yet)
         spec = importlib.util.spec_from_file_location("fnebm_cbuild_at_install", package / "_cbuild.py")
         cbuild = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cbuild)

@@ -19,7 +19,7 @@ python=${PYTHON:-python}
 # build from a copy: pip builds a local folder in place and would leave build/ and *.egg-info there
 mkdir "$work/src"
 tar -C "$root" --exclude=./.git --exclude=./build --exclude=./dist --exclude='*.egg-info' --exclude=__pycache__ \
-    --exclude=./.venv --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$work/src" -xf -
+    --exclude=./.venv --exclude=./fnebm/kernels/_prebuilt --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$work/src" -xf -
 "$python" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation "$work/src" -w "$work/dist"
 wheel=("$work"/dist/fnebm-*.whl)
 echo "wheel_check: built ${wheel[0]##*/}"

@@ -20,6 +20,12 @@ settings.load_profile("ci")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The C libraries an install compiled into the package (fnebm/kernels/_prebuilt: `pip install -e`
+# builds them in the checkout) are passed over, so that the tests of the kernels' build and cache
+# build as a first run without them does (child processes inherit this); the tests of the prebuilt
+# libraries turn them back on (tests/test_kernel_cache.py), and .ci/wheel_check.sh checks a wheel's.
+os.environ["FNEBM_PREBUILT"] = "0"
+
 # One intra-op thread: the tests' tensors are small (time goes to dispatch and compiling, not to
 # arithmetic), and on a 2-core machine with any neighbour process two OpenMP threads spin at
 # every barrier (measured 10-40x slower per step). FNEBM_TEST_THREADS overrides.

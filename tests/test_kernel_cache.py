@@ -226,7 +226,7 @@ def test_an_installations_prebuilt_library_is_loaded_and_nothing_is_built(prebui
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     # even with no compiler: the installation built it (the child compares the draws with the torch kernel's)
-    result = _child(cache, "nuts", TEST_PREBUILT=str(prebuilt), CC=str(tmp_path / "no-such-cc"))
+    result = _child(cache, "nuts", TEST_PREBUILT=str(prebuilt), CC=str(tmp_path / "no-such-cc"), FNEBM_PREBUILT="1")
     assert result["kernel"] and result["origin"] == "prebuilt" and result["build_s"] == 0, result
     assert result["passed_over"] is None
     assert not list(cache.glob("cpu_nuts-*")), list(cache.iterdir())
@@ -238,7 +238,7 @@ def test_a_prebuilt_library_not_for_this_build_is_passed_over(built, prebuilt, t
     # the library comes from the cache (or a build) as without one, and the reason is kept
     folder = tmp_path / "_prebuilt"
     shutil.copytree(prebuilt, folder)
-    library, env = folder / "cpu_nuts.so", {}
+    library, env = folder / "cpu_nuts.so", {"FNEBM_PREBUILT": "1"}
     if how == "another machine":
         _cbuild.identity_path(library).write_text("0" * 64 + "\n")
     elif how == "damaged":
