@@ -25,6 +25,8 @@ Implementations:
 Phases (the machine is shared and noisy: everything alternates, A B A B, and the figures are
 medians of per-round or per-pair ratios to the plain loop, which runs beside each):
   cold      the first call in a fresh process with empty TORCHINDUCTOR_CACHE_DIR and FNEBM_CACHE_DIR
+            (the C libraries an install compiled into a tree's package are used: a tree without them
+            builds them into the empty cache)
             (import not included; the import is reported apart, and import + first call as
             "import_and_cold": what a fresh script waits for), and the second call there
   second    the first call of a second process with those (now filled) cache directories
