@@ -163,6 +163,45 @@ def test_the_first_compiled_call_outside_a_scope_runs_on_the_threads_chosen(monk
         torch.set_num_threads(restore)
 
 
+def test_a_spent_budget_lets_a_loop_that_ends_sooner_than_a_compile_finish_first(monkeypatch):
+    # ski rental's budget spent, but the loop's remaining evaluations take less than the compile: no
+    # compile mid-way; the next loop compiles at its first call (it has no expectation yet)
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 100.0)
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    f = _fresh(energy)
+    x = fr.normal(fr.key(13), (3, 2))
+    ev = evaluation.evaluator(f, 1, "auto")
+    with ev.scope(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(evaluation.TUNE_CALLS):
+            ev(x)
+        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        ev.ev.eager_s = 150.0  # what earlier loops of this energy spent: past the budget
+        ev.expect(0.5 * 100.0 / rate)  # this loop's rest: half a compile
+        ev(x)
+        ev.expect(0.0)  # its last call
+        ev(x)
+        assert fake.compiled == 0
+    with ev.scope():
+        with pytest.warns(evaluation.EnergyCompileNotice, match="compiling this energy's value and gradient now"):
+            got = ev(x)  # the next loop's first call
+    assert fake.compiled == 1
+    torch.testing.assert_close(got, evaluation.evaluator(f, 1, False)(x))
+    g = _fresh(energy)  # and a loop whose rest outlasts the compile compiles at once
+    ev = evaluation.evaluator(g, 1, "auto")
+    with ev.scope():
+        for _ in range(evaluation.TUNE_CALLS):
+            ev(x)
+        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        ev.ev.eager_s = 150.0
+        ev.expect(1.5 * 100.0 / rate)
+        with pytest.warns(evaluation.EnergyCompileNotice):
+            ev(x)
+    assert fake.compiled == 2
+
+
 def test_a_long_kernel_loop_tells_its_evaluator_what_it_expects(monkeypatch):
     seen = []
 

@@ -20,7 +20,11 @@ it has one, else ``vmap``), eager or compiled:
   posterior; empty Inductor and fnebm caches, four runs) and 5.6 s for a new energy on one that
   had (the vector-ISA probe recorded, :mod:`fnebm._inductor`).
   The rule of renting skis: a run never spends much more than twice what the better choice in
-  hindsight would have; a short run never waits for a compile, a long one waits once.
+  hindsight would have; a short run never waits for a compile, a long one waits once. A kernel's
+  loop that says how many evaluations it still expects (:meth:`Evaluate.expect`) and would finish
+  them in less time than the compile is not stopped for it mid-way: it ends on its tier, and the
+  next loop of that energy compiles at its first call (the compile's cost moves to a call that
+  gains from it; a single call does not pay for a compile it cannot use).
 
 Threads: an evaluation of a small energy is a few hundred microseconds, and torch's parallel
 regions can cost more than they save there (on a busy 2-core machine a 2-thread evaluation of a
@@ -360,12 +364,12 @@ class _Evaluation:
         self.recent = (self.recent[0] + seconds, self.recent[1] + 1)
         return out
 
-    def expected_s(self) -> float:
+    def expected_s(self) -> float | None:
         """Seconds the calls a kernel's loop still expects to make would take at the current tier's
-        rate (0 without an expectation or a rate)."""
+        rate; ``None`` without an expectation or a rate."""
         seconds, calls = self.recent
         if self.expected_calls is None or self.one_thread is None or calls < TUNE_CALLS:
-            return 0.0  # no expectation, or the threads still being timed (a trial on the slower is no rate)
+            return None  # no expectation, or the threads still being timed (a trial on the slower is no rate)
         return self.expected_calls * seconds / calls
 
 
@@ -496,10 +500,14 @@ class Evaluate:
             return ev.eager_call(x, tune)
         if self.mode == "auto" and ev.compiled is None:
             estimate = compile_estimate()
+            expected = ev.expected_s()
             if ev.eager_s >= estimate:
-                ev.compile_now(announce=True)
-            elif ev.expected_s() >= EXPECTED_FACTOR * estimate:
-                ev.compile_now(announce=True, expected=ev.expected_s())
+                # the budget is spent: compile, unless this loop's remaining evaluations would take less
+                # than the compile; then the loop ends on this tier and the next one compiles at its first call
+                if expected is None or expected >= estimate:
+                    ev.compile_now(announce=True)
+            elif expected is not None and expected >= EXPECTED_FACTOR * estimate:
+                ev.compile_now(announce=True, expected=expected)
         if ev.compiled is not None:
             return ev.compiled_call(x, tune)
         if tune and not ev.trace_failed and (ev.traced is not None or ev.eager_s >= TRACE_AFTER_S):
