@@ -50,6 +50,22 @@ def _fresh(fn):
     return lambda x: fn(x)  # a new energy object: an evaluator of its own
 
 
+def _auto(monkeypatch, estimate: float) -> _FakeCompile:
+    """torch.compile faked, a compile expected to take ``estimate`` seconds, no traced tier."""
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda: estimate)
+    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    return fake
+
+
+def _rate(ev, x) -> float:
+    """Seconds an evaluation takes, measured over the calls that choose the threads."""
+    for _ in range(evaluation.TUNE_CALLS):
+        ev(x)
+    return ev.ev.recent[0] / ev.ev.recent[1]
+
+
 def test_eager_evaluations_never_compile(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
@@ -64,10 +80,7 @@ def test_eager_evaluations_never_compile(monkeypatch):
 
 
 def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
-    fake = _FakeCompile()
-    monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
-    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    fake = _auto(monkeypatch, 1e9)
     f = _fresh(energy)
     x = fr.normal(fr.key(1), (3, 2))
     ev = evaluation.evaluator(f, 1, "auto")
@@ -87,18 +100,13 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
 def test_auto_compiles_at_once_when_a_loop_expects_more_than_twice_a_compile(monkeypatch):
     # a kernel's loop says how many evaluations it still expects (Evaluate.expect): once they would take
     # EXPECTED_FACTOR times a compile at the current rate, "auto" compiles without spending its budget first
-    fake = _FakeCompile()
-    monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 100.0)  # a budget these calls never spend
-    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    fake = _auto(monkeypatch, 100.0)  # a budget these calls never spend
     f = _fresh(energy)
     x = fr.normal(fr.key(12), (3, 2))
     ev = evaluation.evaluator(f, 1, "auto")
     with ev.scope(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(evaluation.TUNE_CALLS):
-            ev(x)  # the rate is measured over these
-        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        rate = _rate(ev, x)
         ev.expect(0.5 * evaluation.EXPECTED_FACTOR * 100.0 / rate)  # half of what would pay: still eager
         ev(x)
         assert fake.compiled == 0
@@ -166,18 +174,13 @@ def test_the_first_compiled_call_outside_a_scope_runs_on_the_threads_chosen(monk
 def test_a_spent_budget_lets_a_loop_that_ends_sooner_than_a_compile_finish_first(monkeypatch):
     # ski rental's budget spent, but the loop's remaining evaluations take less than the compile: no
     # compile mid-way; the next loop compiles at its first call (it has no expectation yet)
-    fake = _FakeCompile()
-    monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 100.0)
-    monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
+    fake = _auto(monkeypatch, 100.0)
     f = _fresh(energy)
     x = fr.normal(fr.key(13), (3, 2))
     ev = evaluation.evaluator(f, 1, "auto")
     with ev.scope(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(evaluation.TUNE_CALLS):
-            ev(x)
-        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        rate = _rate(ev, x)
         ev.ev.eager_s = 150.0  # what earlier loops of this energy spent: past the budget
         ev.expect(0.5 * 100.0 / rate)  # this loop's rest: half a compile
         ev(x)
@@ -192,9 +195,7 @@ def test_a_spent_budget_lets_a_loop_that_ends_sooner_than_a_compile_finish_first
     g = _fresh(energy)  # and a loop whose rest outlasts the compile compiles at once
     ev = evaluation.evaluator(g, 1, "auto")
     with ev.scope():
-        for _ in range(evaluation.TUNE_CALLS):
-            ev(x)
-        rate = ev.ev.recent[0] / ev.ev.recent[1]
+        rate = _rate(ev, x)
         ev.ev.eager_s = 150.0
         ev.expect(1.5 * 100.0 / rate)
         with pytest.warns(evaluation.EnergyCompileNotice):
