@@ -148,7 +148,9 @@ def test_sample_chain_with_the_fused_step_gives_the_torch_steps_chain(monkeypatc
                 for name in ("euler_maruyama", "log_acceptance_ratio", "metropolis_hastings", "select"):
                     mp.setattr(mala_module, name, _refuse(name))
                 mp.setattr(mala_module, "fr", types.SimpleNamespace(split=_refuse("split"), normal=_refuse("normal")))
-            out = fnebm.sample_chain(alg.step, state, fr.key(5, device=DEVICE), 12, compile=False)
+            plans = []
+            out = fnebm.sample_chain(alg.step, state, fr.key(5, device=DEVICE), 12, compile=False, on_plan=plans.append)
+        assert (mala_step.NOTE in plans[0].reason) == fused, plans[0].reason  # the plan says which path ran
         return out, launches
 
     (s_t, trace_t, info_t), _ = run(False)

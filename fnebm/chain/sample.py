@@ -25,7 +25,7 @@ from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, sync
 from fnebm.chain.loop import needs_grad, position, position_and_energy
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import kept_in
-from fnebm.kernels import dispatch
+from fnebm.kernels import dispatch, mala_step
 from fnebm.samplers.base import step_fields
 
 __all__ = ["ChainState", "init", "sample_chain"]
@@ -454,6 +454,9 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
         no_graph = ledger.graph_failed
         plan = plan._replace(reason=f"{plan.reason}; " + (engines.GRAPH_NOTE if no_graph is None else
                                                           f"eager steps one by one: no CUDA graph of a step ({no_graph})"))
+    fields = step_fields(step)
+    if not plan.compiled and fields is not None and fields.sampler == "mala" and mala_step.runs_on(chain.keys.device):
+        plan = plan._replace(reason=f"{plan.reason}; {mala_step.NOTE}")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load
         on_plan(plan if missed is None else plan._replace(reason=f"{plan.reason}; {missed.describe()}"))

@@ -34,11 +34,13 @@ import struct
 import torch
 from torch import Tensor
 
-__all__ = ["eligible", "propose", "accept"]
+__all__ = ["NOTE", "eligible", "propose", "accept", "runs_on"]
 
 # The devices the fused step runs on (the tests add "cpu" to run it under TRITON_INTERPRET=1).
 _DEVICES = ("cuda",)
 _DTYPES = (torch.float32, torch.float64)
+# in a sample_chain plan's reason (fnebm.chain.sample) for MALA's eager steps on such a device
+NOTE = "MALA's proposal and accept/reject run as two Triton launches a step around the energy (fnebm.kernels.mala_step)"
 _kernels = None  # (propose_kernel, accept_kernel), False where triton cannot be imported
 _BLOCK = 256  # propose: (chain, Philox block) pairs a program
 _ROW = 256  # accept: event elements a program reads at a time (one program a chain)
@@ -54,6 +56,11 @@ def _load():
         else:
             _kernels = (k.propose_kernel, k.accept_kernel)
     return _kernels or None
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether MALA's eager steps on ``device`` take the fused step (where its tensors allow)."""
+    return device.type in _DEVICES and _load() is not None
 
 
 def _plain(t) -> bool:
