@@ -11,6 +11,10 @@ operation rounded once (NumPy's ufuncs do not fuse a multiply and an add). Only 
 CPU float tensors of one dtype that nothing tracks (no autograd, no ``torch.func`` transform, no
 compile, no tensor subclass): everywhere else the callers run torch's operations.
 
+Euler–Maruyama's whole update and the rows' finiteness checks run in C where the caller passes
+fnebm's loaded draws library (:func:`euler_maruyama`, :func:`rows_finite`: one pass each, where
+NumPy made two or three, the same bits; ``fnebm/kernels/_cpu_random.c``), else in NumPy.
+
 Lowest layer: imports torch (and NumPy, on first use).
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["GRAIN", "views", "tensor", "axpy"]
+__all__ = ["GRAIN", "views", "tensor", "axpy", "euler_maruyama", "rows_finite"]
 
 GRAIN = 32768  # torch's internal grain size: below it an elementwise operation runs on one thread anyway
 
@@ -86,3 +90,56 @@ def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor) -> Tensor:
     out = np.multiply(an, xn)
     (np.add if sign > 0 else np.subtract)(yn, out, out=out)
     return tensor(out)
+
+
+_C = True  # False: NumPy's passes only (A/B, tests)
+
+
+def _rows(t: Tensor, like: Tensor) -> tuple[int, int] | None:
+    """``(rows, stride)`` of a tunable ``t`` broadcast against ``like``: one value (stride 0), or one per
+    row of ``like``'s leading axes (``t`` of ``like``'s leading shape then size-1 axes, stride 1)."""
+    if t.numel() == 1:
+        return 1, 0
+    shape = tuple(t.shape)
+    j = len(shape)
+    while j and shape[j - 1] == 1:
+        j -= 1
+    if len(shape) != like.dim() or shape[:j] != tuple(like.shape[:j]) or not t.is_contiguous():
+        return None
+    return t.numel(), 1
+
+
+def euler_maruyama(lib, x: Tensor, step_size: Tensor, grad: Tensor, scale: Tensor, noise: Tensor) -> Tensor | None:
+    """``(x - step_size * grad) + scale * noise`` in one C pass of ``lib`` (fnebm's draws library, or
+    ``None``) with torch's bits (each operation rounded once), or ``None`` where it does not apply
+    (then :func:`axpy` twice)."""
+    if (lib is None or not _C or grad.shape != x.shape or noise.shape != x.shape
+            or views(x, step_size, grad, scale, noise) is None):
+        return None
+    rh, rc = _rows(step_size, x), _rows(scale, x)
+    if rh is None or rc is None:
+        return None
+    rows = max(rh[0], rc[0])
+    if rh[0] not in (1, rows) or rc[0] not in (1, rows):
+        return None
+    out = torch.empty_like(x)
+    em = lib.fnebm_em_f32 if x.dtype == torch.float32 else lib.fnebm_em_f64
+    em(rows, x.numel() // rows, x.data_ptr(), grad.data_ptr(), noise.data_ptr(), step_size.data_ptr(), rh[1],
+       scale.data_ptr(), rc[1], out.data_ptr(), None)
+    return out
+
+
+def rows_finite(lib, ok, array) -> bool:
+    """``ok &= `` whether each row of the C-contiguous float32/float64 NumPy ``array`` (rows: ``ok``'s
+    length, a contiguous bool array) is finite, in C (``lib``: fnebm's draws library, or ``None``);
+    ``False`` where it does not apply (the caller then uses NumPy)."""
+    if lib is None or not _C or array.dtype.kind != "f" or array.itemsize not in (4, 8) or not array.flags.c_contiguous:
+        return False
+    if not ok.flags.c_contiguous or ok.dtype.itemsize != 1:
+        return False
+    n_rows = ok.size
+    if n_rows == 0 or array.size % n_rows:
+        return False
+    check = lib.fnebm_rows_finite_f32 if array.itemsize == 4 else lib.fnebm_rows_finite_f64
+    check(n_rows, array.size // n_rows, array.ctypes.data, ok.ctypes.data)
+    return True

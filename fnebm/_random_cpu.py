@@ -25,6 +25,11 @@ def _setup(lib: ctypes.CDLL) -> None:
         fn.restype = c_int
     lib.fnebm_fold_in.argtypes = [i64, ptr, ptr, i64, ptr, i64, ptr, c_int]
     lib.fnebm_fold_in.restype = c_int
+    for t in ("f32", "f64"):  # the eager samplers' elementwise helpers (fnebm.integrators.diffusion)
+        getattr(lib, f"fnebm_em_{t}").argtypes = [i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr]
+        getattr(lib, f"fnebm_em_{t}").restype = None
+        getattr(lib, f"fnebm_rows_finite_{t}").argtypes = [i64, i64, ptr, ptr]
+        getattr(lib, f"fnebm_rows_finite_{t}").restype = None
 
 
 # one source compiled twice (the float32 draws; the float64 draws and the keys), in parallel

@@ -1,5 +1,7 @@
 import math
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -199,6 +201,18 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     assert x.numel() >= _one_thread.GRAIN
     assert _one_thread.views(x, grad, h, noise) is not None
     assert torch.equal(diffusion.euler_maruyama(x, grad, h, noise, s), want)
+    # in one C pass (no fused multiply-add: 64,000 values would show one), and NumPy's passes alike
+    from fnebm import random as fr
+
+    lib = fr._c_library()
+    assert lib is not None
+    assert torch.equal(_one_thread.euler_maruyama(lib, x, h, grad, s * (2.0 * h).sqrt(), noise), want)
+    _one_thread._C = False
+    try:
+        assert _one_thread.euler_maruyama(lib, x, h, grad, s, noise) is None
+        assert torch.equal(diffusion.euler_maruyama(x, grad, h, noise, s), want)
+    finally:
+        _one_thread._C = True
     # the leapfrog's steps and MALA's proposal densities, the same way
     assert torch.equal(_one_thread.axpy(x, -1.0, 0.5 * h, grad), x - (0.5 * h) * grad)
     assert torch.equal(_one_thread.axpy(x, 1.0, 0.5 * h, grad), x + (0.5 * h) * grad)
@@ -216,6 +230,34 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     assert torch.equal(batched, x - h0 * grad[0] + (s0 * (2.0 * h0).sqrt()) * noise[0])
     small = x[:8]  # below the grain size: torch's operations
     assert _one_thread.views(small, grad[:8]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
+    from fnebm import _one_thread
+    from fnebm.samplers.base import all_finite
+
+    g = torch.Generator().manual_seed(3)
+    e, a, b = torch.randn(6, 4, generator=g, dtype=dtype), torch.randn(6, 4, 50, generator=g, dtype=dtype), \
+        torch.randn(6, 4, 50, generator=g, dtype=dtype)
+    a[1, 2, 7], a[5, 0, 49], b[0, 0, 0], b[3, 3, 20], e[2, 1] = math.nan, math.inf, -math.inf, math.nan, math.inf
+    want = torch.isfinite(e) & torch.isfinite(a).all(-1) & torch.isfinite(b).all(-1)
+    assert int(want.sum()) == 19
+    for c in (True, False):
+        _one_thread._C = c
+        try:
+            assert torch.equal(all_finite(e, a, b, n_batch=2), want)
+            assert torch.equal(all_finite(e, a.transpose(0, 1).contiguous().transpose(0, 1), b, n_batch=2), want)
+            assert all_finite(e[0, 0], a[0, 0], n_batch=0).shape == ()
+        finally:
+            _one_thread._C = True
+    import numpy as np
+
+    from fnebm import random as fr
+
+    ok = np.ones(6 * 4, dtype=np.bool_)
+    assert _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 50)) and ok.sum() == 22
+    assert not _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 50)[:, ::2])  # not contiguous: NumPy's turn
 
 
 def test_the_one_thread_path_steps_aside_wherever_torch_must_see_the_operations():

@@ -157,9 +157,66 @@ static inline __attribute__((always_inline)) void block_f64(const int mode, uint
 /* lanes 2 and 3 are read when some element lies at or past 2 m (n > 2 m) */
 static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL_TWO_PAIRS : NORMAL_ONE_PAIR; }
 
+
+/* The eager samplers' elementwise helpers beside the draws (fnebm.integrators.diffusion and
+ * fnebm.samplers.base call them on large eager CPU states, where NumPy made two or three passes):
+ *
+ * em: Euler-Maruyama's x' = (x - h g) + c z, each operation rounded once as torch's separate
+ * operations round them (no fused multiply-add: GCC contracts across statements by default),
+ * over n_rows rows of n values; h and c are one value (stride 0) or one per row (stride 1). Also
+ * writes whether each row of x' is finite (finite[r] = 0/1), when finite is not NULL.
+ *
+ * rows_finite: finite[r] &= every value of row r is finite. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
+#define DEFINE_HELPERS(T, SUFFIX, EXP_MASK, UINT)                                                              \
+    NO_CONTRACT void fnebm_em_##SUFFIX(int64_t n_rows, int64_t n, const T *x, const T *g, const T *z,          \
+                                       const T *h, int64_t hs, const T *c, int64_t cs, T *out,                \
+                                       unsigned char *finite) {                                               \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                \
+            const T hr = h[r * hs], cr = c[r * cs];                                                           \
+            const T *xr = x + r * n, *gr = g + r * n, *zr = z + r * n;                                        \
+            T *o = out + r * n;                                                                               \
+            UINT bad = 0;                                                                                     \
+            _Pragma("omp simd reduction(| : bad)")                                                            \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                const T step = hr * gr[i];                                                                    \
+                const T moved = xr[i] - step;                                                                 \
+                const T noise = cr * zr[i];                                                                   \
+                const T v = moved + noise;                                                                    \
+                o[i] = v;                                                                                     \
+                UINT u;                                                                                       \
+                memcpy(&u, &v, sizeof u);                                                                     \
+                bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                    \
+            }                                                                                                 \
+            if (finite)                                                                                       \
+                finite[r] = !bad;                                                                             \
+        }                                                                                                     \
+    }                                                                                                         \
+    void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                \
+            if (!finite[r])                                                                                   \
+                continue;                                                                                     \
+            const T *xr = x + r * n;                                                                          \
+            UINT bad = 0;                                                                                     \
+            _Pragma("omp simd reduction(| : bad)")                                                            \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                UINT u;                                                                                       \
+                memcpy(&u, &xr[i], sizeof u);                                                                 \
+                bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                    \
+            }                                                                                                 \
+            finite[r] = !bad;                                                                                 \
+        }                                                                                                     \
+    }
+
 /* Two objects, compiled at once (FNEBM_RANDOM_PART 0: the float32 draws, about two thirds of the
  * build; 1: the float64 draws and the keys) */
 #if FNEBM_RANDOM_PART == 0
+DEFINE_HELPERS(float, f32, 0x7f800000u, uint32_t)
 DEFINE_DRAW(float, f32, block_f32, UNIFORM)
 DEFINE_DRAW(float, f32, block_f32, NORMAL_ONE_PAIR)
 DEFINE_DRAW(float, f32, block_f32, NORMAL_TWO_PAIRS)
@@ -186,6 +243,7 @@ int fnebm_normal_f32(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64
 
 
 #else
+DEFINE_HELPERS(double, f64, 0x7ff0000000000000ull, uint64_t)
 DEFINE_DRAW(double, f64, block_f64, UNIFORM)
 DEFINE_DRAW(double, f64, block_f64, NORMAL_ONE_PAIR)
 DEFINE_DRAW(double, f64, block_f64, NORMAL_TWO_PAIRS)

@@ -291,13 +291,22 @@ def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) 
     except ImportError:  # pragma: no cover - torch without NumPy
         return None
     try:
-        ok = np.isfinite(scalar.detach().numpy())
+        ok = np.array(np.isfinite(scalar.detach().numpy()), dtype=np.bool_)  # a fresh contiguous array
         if events and math.prod(events[0].shape[n_batch:]) > 0:
             for t in events:
-                ok = ok & np.isfinite(t.detach().numpy().reshape(tuple(t.shape[:n_batch]) + (-1,))).all(-1)
+                a = t.detach().numpy()
+                if not _one_thread.rows_finite(_c_library(), ok.reshape(-1), a):  # in C: one pass, no mask
+                    ok = ok & np.isfinite(a.reshape(tuple(t.shape[:n_batch]) + (-1,))).all(-1)
     except RuntimeError:  # a tensor NumPy cannot view (a lazy negation, say)
         return None
     return torch.from_numpy(np.asarray(ok, dtype=np.bool_))
+
+
+def _c_library():
+    # fnebm's C draws library (its elementwise helpers), or None
+    from fnebm import random as fr
+
+    return fr._c_library() if fr._C_EAGER else None
 
 
 def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:
