@@ -60,10 +60,13 @@ def views(*tensors: Tensor):
 _MODE_KEYS = None  # the infrastructure's dispatch-mode keys (fake, proxy, functional), looked up once
 
 
-def _intercepted() -> bool:
+def _intercepted(function_modes: bool = True) -> bool:
+    """Whether something would see (or needs) torch's operations here: a compile, a ``torch.func``
+    transform, forward-mode AD, a dispatch mode, and (``function_modes``) a torch-function mode."""
     global _MODE_KEYS
     if (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch._C._is_torch_function_mode_enabled() or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+            or (function_modes and torch._C._is_torch_function_mode_enabled())
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
             or torch._C._len_torch_dispatch_stack() > 0):  # a user's dispatch mode
         return True
     if _MODE_KEYS is None:

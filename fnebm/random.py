@@ -40,6 +40,7 @@ eager CPU draws bit for bit; other devices run the torch operations above.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import math
 import operator
 import sys
@@ -297,8 +298,17 @@ def _philox_triton(c0, c1, c2, c3, k0, k1, rounds: int):
     views = [(w if w.dtype == torch.int64 else w.to(torch.int64)).expand(shape).reshape(full) for w in words]
     strides = [st for v in views for st in v.stride()]
     block = 512
-    _philox_kernel[(-(-n // block),)](*views, *outs, n, full[1], full[2], full[3], *strides, ROUNDS=rounds, BLOCK=block)
+    with _on(c0.device):
+        _philox_kernel[(-(-n // block),)](*views, *outs, n, full[1], full[2], full[3], *strides, ROUNDS=rounds,
+                                          BLOCK=block)
     return outs
+
+
+def _on(device: torch.device):
+    # Triton launches on the current CUDA device: the tensors' own, where another is current
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 # Eager normal and uniform draws on a CUDA device are one Triton launch each (Philox, the units,
@@ -332,8 +342,9 @@ def _triton_draw(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, 
         kw = key.reshape(-1, 2)
         m = -(-n // 4)
         block = 256
-        _draw_kernel[(-(-(n_keys * m) // block),)](kw, kw.stride(0), kw.stride(1), out, n_keys, n, m, NORMAL=normal,
-                                                   F64=f64, BLOCK=block)
+        with _on(key.device):
+            _draw_kernel[(-(-(n_keys * m) // block),)](kw, kw.stride(0), kw.stride(1), out, n_keys, n, m,
+                                                       NORMAL=normal, F64=f64, BLOCK=block)
     return out if out.dtype == dtype else out.to(dtype)
 
 

@@ -207,3 +207,55 @@ def _refuse(name):
         raise AssertionError(f"{name} ran: the fused step draws and decides in its kernels")
 
     return draw
+
+
+def test_forward_mode_ad_and_large_events_take_the_torch_path(on_cpu, monkeypatch):
+    import torch.autograd.forward_ad as fwAD
+
+    x, energy, grad, keys = _state((4,), (3,), torch.float64)
+    h = torch.tensor(0.1, dtype=torch.float64)
+    assert mala_step.eligible(x, energy, grad, keys, h)
+    with fwAD.dual_level():  # a dual step size: its tangent must reach the new position
+        dual = fwAD.make_dual(h, torch.ones_like(h))
+        assert not mala_step.eligible(x, energy, grad, keys, dual)
+        alg = fnebm.mala(_energy, dual)
+        state = mala_module.MALAState(x, torch.func.vmap(_energy)(x), torch.func.vmap(torch.func.grad(_energy))(x))
+        new, _ = alg.step(state, keys)
+        assert fwAD.unpack_dual(new.position).tangent is not None
+    monkeypatch.setattr(mala_step, "MAX_EVENT", 2)  # one program a chain over a very large event: torch's turn
+    assert not mala_step.eligible(x, energy, grad, keys, h)
+
+
+def test_a_kernel_that_fails_turns_the_fused_step_off_with_a_warning(on_cpu, monkeypatch):
+    x0 = torch.linspace(-1, 1, 12, dtype=torch.float64, device=DEVICE).reshape(4, 3)
+    alg = fnebm.mala(_energy, 0.2)
+    state = torch.func.vmap(alg.init)(x0)
+    keys = fr.split(fr.key(1, device=DEVICE), 4)
+    want, want_info = alg.step(state, keys)  # the fused step
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel for this GPU")
+
+            return launch
+
+    monkeypatch.setattr(mala_step, "_kernels", (Broken(), Broken()))
+    with pytest.warns(RuntimeWarning, match="MALA's fused step failed"):
+        got, got_info = alg.step(state, keys)
+    assert mala_step._kernels is False and not mala_step.runs_on(x0.device)
+    assert torch.equal(got_info.is_accepted, want_info.is_accepted)
+    torch.testing.assert_close(got.position, want.position, rtol=1e-12, atol=1e-12)
+    plans = []
+    fnebm.sample_chain(alg.step, state, fr.key(5, device=DEVICE), 3, compile=False, on_plan=plans.append)
+    assert mala_step.NOTE not in plans[0].reason  # the plan follows
+
+
+def test_the_plan_names_the_fused_step_only_where_the_state_takes_it(on_cpu):
+    x0 = torch.linspace(-1, 1, 12, dtype=torch.float64, device=DEVICE).reshape(4, 3)
+    for h, fused in ((0.2, True), (torch.tensor(0.2, dtype=torch.float64, requires_grad=True), False)):
+        alg = fnebm.mala(_energy, h)
+        state = torch.func.vmap(alg.init)(x0)
+        plans = []
+        fnebm.sample_chain(alg.step, state, fr.key(5, device=DEVICE), 3, compile=False, on_plan=plans.append)
+        assert (mala_step.NOTE in plans[0].reason) == fused, plans[0].reason

@@ -26,7 +26,7 @@ from fnebm.chain.loop import needs_grad, position, position_and_energy
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import kept_in
 from fnebm.kernels import dispatch, mala_step
-from fnebm.samplers.base import step_fields
+from fnebm.samplers.base import per_chain, step_fields
 
 __all__ = ["ChainState", "init", "sample_chain"]
 
@@ -259,6 +259,18 @@ def _fall_back(plan: RunPlan, ledger: Any, reason: str, start: int, on_plan: Cal
     return plan
 
 
+def _takes_fused_mala(fields, chain: ChainState) -> bool:
+    """Whether MALA's eager steps from ``chain`` take the fused GPU step (fnebm.kernels.mala_step)."""
+    if fields is None or fields.sampler != "mala" or not mala_step.runs_on(chain.keys.device):
+        return False
+    try:
+        x, energy, grad = chain.state.position, chain.state.energy, chain.state.grad
+        h = per_chain("step_size", fields.keywords["step_size"], tuple(chain.keys.shape[:-1]), x, host_scalar=True)
+    except Exception:  # not a MALA state, or a step size the step itself will refuse
+        return False
+    return mala_step.eligible(x, energy, grad, chain.keys, h)
+
+
 def sample_chain(
     step: Callable[[Any, Tensor], tuple[Any, Any]],
     state: Any,
@@ -454,8 +466,7 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
         no_graph = ledger.graph_failed
         plan = plan._replace(reason=f"{plan.reason}; " + (engines.GRAPH_NOTE if no_graph is None else
                                                           f"eager steps one by one: no CUDA graph of a step ({no_graph})"))
-    fields = step_fields(step)
-    if not plan.compiled and fields is not None and fields.sampler == "mala" and mala_step.runs_on(chain.keys.device):
+    if not plan.compiled and _takes_fused_mala(step_fields(step), chain):
         plan = plan._replace(reason=f"{plan.reason}; {mala_step.NOTE}")
     if on_plan is not None:
         missed = decision.unavailable  # a C kernel that covers the run could not build or load

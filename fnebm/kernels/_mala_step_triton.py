@@ -103,7 +103,10 @@ def accept_kernel(x_ptr, e_ptr, g_ptr, p_ptr, ep_ptr, gp_ptr, k_ptr, ks, kw, h_p
         quad += tl.where(live, f * f - r * r, 0.0)
         bad += tl.where(live, gp - gp, 0.0)  # 0 where finite, NaN where not (all_finite)
     finite = ((ep - ep) + tl.sum(bad, axis=0)) == 0
-    log_alpha = (e - ep) + tl.sum(quad, axis=0) / (4.0 * h)
+    if F64:
+        log_alpha = (e - ep) + tl.sum(quad, axis=0) / (4.0 * h)
+    else:  # torch's division is correctly rounded; Triton's float32 "/" is not (div.full)
+        log_alpha = (e - ep) + tl.div_rn(tl.sum(quad, axis=0), 4.0 * h)
     ok = finite & ((log_alpha - log_alpha) == 0)
     log_alpha = tl.where(ok, log_alpha, _NEG_INF)
     # metropolis_hastings: uniform(split(key)[1], ()) is lane 0 of its block 0

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 
 import torch
 from torch import Tensor
 
-__all__ = ["NOTE", "eligible", "propose", "accept", "runs_on"]
+from fnebm import _one_thread
+from fnebm import random as fr
+
+__all__ = ["MAX_EVENT", "NOTE", "eligible", "propose", "accept", "runs_on"]
 
 # The devices the fused step runs on (the tests add "cpu" to run it under TRITON_INTERPRET=1).
 _DEVICES = ("cuda",)
@@ -44,6 +48,9 @@ NOTE = "MALA's proposal and accept/reject run as two Triton launches a step arou
 _kernels = None  # (propose_kernel, accept_kernel), False where triton cannot be imported
 _BLOCK = 256  # propose: (chain, Philox block) pairs a program
 _ROW = 256  # accept: event elements a program reads at a time (one program a chain)
+# accept runs one program a chain over its event: past this many values a chain (few chains of a
+# very large event would leave the GPU idle), the torch operations
+MAX_EVENT = 1 << 16
 
 
 def _load():
@@ -59,7 +66,7 @@ def _load():
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether MALA's eager steps on ``device`` take the fused step (where its tensors allow)."""
+    """Whether MALA's eager steps on ``device`` can take the fused step at all (triton loads)."""
     return device.type in _DEVICES and _load() is not None
 
 
@@ -70,11 +77,12 @@ def _plain(t) -> bool:
 
 def eligible(x: Tensor, energy: Tensor, grad: Tensor, key: Tensor, h: Tensor) -> bool:
     """Whether :func:`propose` and :func:`accept` take this step: eager plain tensors on a device
-    of ``_DEVICES`` that autograd does not track, a float32/float64 state ``x, grad: (*chains,
-    *event)``, ``energy: chains``, ``key: (*chains, 2)``, and ``h`` MALA's step size as
-    :func:`fnebm.samplers.base.per_chain` gives it (a 0-dim host scalar, or one value or one per
-    chain on the device)."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    of ``_DEVICES`` that autograd does not track (no compile, ``torch.func`` transform, forward-mode
+    AD or dispatch mode), a float32/float64 state ``x, grad: (*chains, *event)`` of at most
+    :data:`MAX_EVENT` values a chain, ``energy: chains``, ``key: (*chains, 2)``, and ``h`` MALA's
+    step size as :func:`fnebm.samplers.base.per_chain` gives it (a 0-dim host scalar, or one value
+    or one per chain on the device)."""
+    if x.device.type not in _DEVICES or _one_thread._intercepted(function_modes=False):
         return False
     if not (_plain(x) and _plain(energy) and _plain(grad) and _plain(key)):
         return False
@@ -83,7 +91,7 @@ def eligible(x: Tensor, energy: Tensor, grad: Tensor, key: Tensor, h: Tensor) ->
     batch = tuple(key.shape[:-1])
     if (key.shape[-1:] != (2,) or tuple(energy.shape) != batch or tuple(x.shape[: len(batch)]) != batch
             or grad.shape != x.shape or x.device != key.device or grad.device != x.device
-            or energy.device != x.device):
+            or energy.device != x.device or math.prod(x.shape[len(batch):]) > MAX_EVENT):
         return False
     if type(h) is not Tensor or h.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(h):
         return False
@@ -113,8 +121,9 @@ def _keys(key: Tensor) -> Tensor:
     return key.reshape(-1, 2)
 
 
-def propose(x: Tensor, grad: Tensor, key: Tensor, h: Tensor) -> Tensor:
-    """``x - h grad + sqrt(2 h) normal(split(key)[..., 0, :], event)``: one launch (see the module)."""
+def propose(x: Tensor, grad: Tensor, key: Tensor, h: Tensor) -> Tensor | None:
+    """``x - h grad + sqrt(2 h) normal(split(key)[..., 0, :], event)``: one launch (see the module);
+    ``None`` if the kernel failed to build or launch here (then the torch operations)."""
     propose_kernel, _ = _load()
     n_chains = math.prod(key.shape[:-1])
     x, grad = x.contiguous(), grad.contiguous()
@@ -125,18 +134,18 @@ def propose(x: Tensor, grad: Tensor, key: Tensor, h: Tensor) -> Tensor:
     kw = _keys(key)
     m = -(-n // 4)
     h_ptr, h_stride, h_bits, host = _h_args(h, x)
-    propose_kernel[(-(-(n_chains * m) // _BLOCK),)](
-        x, grad, kw, kw.stride(0), kw.stride(1), h_ptr, h_stride, h_bits, out, n_chains, n, m,
-        HOST=host, F64=x.dtype == torch.float64, BLOCK=_BLOCK, **_options())
-    return out
+    ok = _launch(propose_kernel, (-(-(n_chains * m) // _BLOCK),), x.device,
+                 x, grad, kw, kw.stride(0), kw.stride(1), h_ptr, h_stride, h_bits, out, n_chains, n, m,
+                 HOST=host, F64=x.dtype == torch.float64, BLOCK=_BLOCK)
+    return out if ok else None
 
 
 def accept(x: Tensor, energy: Tensor, grad: Tensor, proposal: Tensor, new_energy: Tensor, new_grad: Tensor,
-           key: Tensor, h: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+           key: Tensor, h: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None:
     """MALA's accept/reject of ``proposal`` (see the module): ``((position, energy, grad),
-    (acceptance_rate, is_accepted, is_divergent))``, one launch. ``new_energy, new_grad``: the
-    energy and gradient at ``proposal``; ``key``: the step's key (its split's second key draws the
-    uniform)."""
+    (acceptance_rate, is_accepted, is_divergent))``, one launch; ``None`` as :func:`propose`.
+    ``new_energy, new_grad``: the energy and gradient at ``proposal``; ``key``: the step's key (its
+    split's second key draws the uniform)."""
     _, accept_kernel = _load()
     batch = tuple(key.shape[:-1])
     n_chains = math.prod(batch)
@@ -152,10 +161,12 @@ def accept(x: Tensor, energy: Tensor, grad: Tensor, proposal: Tensor, new_energy
         n = x.numel() // n_chains
         kw = _keys(key)
         h_ptr, h_stride, h_bits, host = _h_args(h, x)
-        accept_kernel[(n_chains,)](
-            x, energy, grad, proposal, new_energy, new_grad, kw, kw.stride(0), kw.stride(1), h_ptr, h_stride, h_bits,
-            x_out, e_out, g_out, rate, accepted.view(torch.int8), divergent.view(torch.int8), n,
-            HOST=host, F64=x.dtype == torch.float64, BLOCK=min(_ROW, _pow2(n)), **_options())
+        if not _launch(accept_kernel, (n_chains,), x.device,
+                       x, energy, grad, proposal, new_energy, new_grad, kw, kw.stride(0), kw.stride(1), h_ptr,
+                       h_stride, h_bits, x_out, e_out, g_out, rate, accepted.view(torch.int8),
+                       divergent.view(torch.int8), n, HOST=host, F64=x.dtype == torch.float64,
+                       BLOCK=min(_ROW, _pow2(n))):
+            return None
     return (x_out, e_out, g_out), (rate, accepted, divergent)
 
 
@@ -171,3 +182,21 @@ def _options() -> dict:
     from fnebm.kernels import _mala_step_triton as k
 
     return {} if k.INTERPRETED else {"enable_fp_fusion": False}
+
+
+def _launch(kernel, grid, device: torch.device, *args, **meta) -> bool:
+    """Launch on ``device`` (Triton launches on the current CUDA device and stream). A kernel that
+    fails to build or launch outside a CUDA-graph capture (a GPU or a Triton it does not support)
+    turns the fused step off for the process, with a warning, and says so (``False``)."""
+    global _kernels
+    try:
+        with fr._on(device):
+            kernel[grid](*args, **meta, **_options())
+        return True
+    except Exception as e:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise  # the capture's failure: the engine runs the steps one by one
+        _kernels = False
+        warnings.warn(f"fnebm: MALA's fused step failed on {device} ({type(e).__name__}: {e}); its steps run "
+                      "as torch operations from here on", RuntimeWarning, stacklevel=3)
+        return False
