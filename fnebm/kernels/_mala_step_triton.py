@@ -77,6 +77,16 @@ def propose_kernel(x_ptr, g_ptr, k_ptr, ks, kw, h_ptr, h_stride, h_bits, out_ptr
     _move(x_ptr, g_ptr, out_ptr, row, 3 * m + b, n, h, scale, z3, live)
 
 
+@triton.jit
+def _piece(x_ptr, p_ptr, g_ptr, gp_ptr, row, i, live):
+    # one piece of a chain's position, proposal and their gradients
+    x = tl.load(x_ptr + row + i, mask=live, other=0.0)
+    p = tl.load(p_ptr + row + i, mask=live, other=0.0)
+    g = tl.load(g_ptr + row + i, mask=live, other=0.0)
+    gp = tl.load(gp_ptr + row + i, mask=live, other=0.0)
+    return x, p, g, gp
+
+
 @triton.jit(do_not_specialize=["ks", "kw", "h_stride", "h_bits", "n"])
 def accept_kernel(x_ptr, e_ptr, g_ptr, p_ptr, ep_ptr, gp_ptr, k_ptr, ks, kw, h_ptr, h_stride, h_bits,
                   xo_ptr, eo_ptr, go_ptr, rate_ptr, acc_ptr, div_ptr, n,
@@ -93,10 +103,7 @@ def accept_kernel(x_ptr, e_ptr, g_ptr, p_ptr, ep_ptr, gp_ptr, k_ptr, ks, kw, h_p
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         live = i < n
-        x = tl.load(x_ptr + row + i, mask=live, other=0.0)
-        p = tl.load(p_ptr + row + i, mask=live, other=0.0)
-        g = tl.load(g_ptr + row + i, mask=live, other=0.0)
-        gp = tl.load(gp_ptr + row + i, mask=live, other=0.0)
+        x, p, g, gp = _piece(x_ptr, p_ptr, g_ptr, gp_ptr, row, i, live)
         # log_acceptance_ratio: forward = (p - x) + h g, backward = (x - p) + h g'
         f = (p - x) + h * g
         r = (x - p) + h * gp
@@ -121,10 +128,7 @@ def accept_kernel(x_ptr, e_ptr, g_ptr, p_ptr, ep_ptr, gp_ptr, k_ptr, ks, kw, h_p
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         live = i < n
-        x = tl.load(x_ptr + row + i, mask=live, other=0.0)
-        p = tl.load(p_ptr + row + i, mask=live, other=0.0)
-        g = tl.load(g_ptr + row + i, mask=live, other=0.0)
-        gp = tl.load(gp_ptr + row + i, mask=live, other=0.0)
+        x, p, g, gp = _piece(x_ptr, p_ptr, g_ptr, gp_ptr, row, i, live)
         tl.store(xo_ptr + row + i, tl.where(take, p, x), mask=live)
         tl.store(go_ptr + row + i, tl.where(take, gp, g), mask=live)
 
