@@ -81,12 +81,21 @@ def tensor(array) -> Tensor:
     return torch.from_numpy(array)
 
 
-def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor) -> Tensor:
+def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor, lib=None) -> Tensor:
     """``y + a * x`` (``sign`` 1) or ``y - a * x`` (``sign`` -1), as torch's two operations compute it:
-    in NumPy on one thread where :func:`views` allows, else torch's operations."""
+    in one C pass of ``lib`` (fnebm's draws library, when the caller passes it) or in NumPy, on one
+    thread, where :func:`views` allows; else torch's operations."""
     arrays = views(y, a, x)
     if arrays is None:
         return y + a * x if sign > 0 else y - a * x
+    if lib is not None and _C and x.shape == y.shape and isinstance(a, Tensor):
+        ra = _rows(a, y)
+        if ra is not None:
+            out = torch.empty_like(y)
+            step = lib.fnebm_axpy_f32 if y.dtype == torch.float32 else lib.fnebm_axpy_f64
+            step(ra[0], y.numel() // ra[0], y.data_ptr(), 1 if sign > 0 else -1, a.data_ptr(), ra[1], x.data_ptr(),
+                 out.data_ptr())
+            return out
     import numpy as np
 
     yn, an, xn = arrays

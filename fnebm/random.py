@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fnebm import _checks
+from fnebm import _checks, _one_thread
 
 __all__ = [
     "key",
@@ -206,6 +206,15 @@ def _c_library():
             lib = None
         _c_lib = lib if lib is not None else False
     return _c_lib or None
+
+
+def _c_helpers(x: torch.Tensor):
+    """The C library for the eager samplers' elementwise helpers (:mod:`fnebm._one_thread`) on ``x``: a
+    large eager CPU tensor (at least ``_one_thread.GRAIN`` values) outside any transform; else ``None``."""
+    if (type(x) is not torch.Tensor or x.device.type != "cpu" or x.numel() < _one_thread.GRAIN or not _C_EAGER
+            or _one_thread._intercepted()):
+        return None
+    return _c_library()
 
 
 def _c_eligible(tensors: tuple):

@@ -207,6 +207,8 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     lib = fr._c_library()
     assert lib is not None
     assert torch.equal(_one_thread.euler_maruyama(lib, x, h, grad, s * (2.0 * h).sqrt(), noise), want)
+    for sign in (1.0, -1.0):  # the leapfrog's steps: one C pass each
+        assert torch.equal(_one_thread.axpy(x, sign, 0.5 * h, grad, lib), x + sign * ((0.5 * h) * grad))
     _one_thread._C = False
     try:
         assert _one_thread.euler_maruyama(lib, x, h, grad, s, noise) is None

@@ -23,15 +23,8 @@ def euler_maruyama(x: Tensor, grad: Tensor, step_size: Tensor, noise: Tensor, no
     """
     # (x - h grad) + scale noise, each step on one thread for a large eager CPU state (fnebm._one_thread)
     scale = noise_scale * (2.0 * step_size).sqrt()
-    fused = _one_thread.euler_maruyama(_c_library(x), x, step_size, grad, scale, noise)  # one C pass, the same bits
+    fused = _one_thread.euler_maruyama(_random._c_helpers(x), x, step_size, grad, scale, noise)  # one C pass, the same bits
     if fused is not None:
         return fused
     return _one_thread.axpy(_one_thread.axpy(x, -1.0, step_size, grad), 1.0, scale, noise)
 
-
-def _c_library(x: Tensor):
-    # fnebm's C draws library (its elementwise helpers) for a large eager CPU tensor, else None
-    if (type(x) is not Tensor or x.device.type != "cpu" or x.numel() < _one_thread.GRAIN or not _random._C_EAGER
-            or _one_thread._intercepted()):
-        return None
-    return _random._c_library()

@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 from torch import Tensor
 
 from fnebm import _one_thread
+from fnebm import random as _random
 
 __all__ = ["IntegratorState", "velocity_verlet", "mclachlan", "yoshida", "integrate", "gradient_evaluations"]
 
@@ -65,10 +66,11 @@ def integrate(
     if len(coefficients) % 2 == 0 or tuple(coefficients) != tuple(reversed(coefficients)):
         raise ValueError(f"coefficients must be a palindrome of odd length, got {coefficients}")
     x, p, energy, grad = state
+    lib = _random._c_helpers(x)  # a large eager CPU state: each step one pass in C (else NumPy's two)
     for i, c in enumerate(coefficients):
         if i % 2 == 0:
-            p = _one_thread.axpy(p, -1.0, c * step_size, grad)  # on one thread for a large eager CPU state
+            p = _one_thread.axpy(p, -1.0, c * step_size, grad, lib)  # on one thread for a large eager CPU state
         else:
-            x = _one_thread.axpy(x, 1.0, c * step_size, velocity(p))
+            x = _one_thread.axpy(x, 1.0, c * step_size, velocity(p), lib)
             energy, grad = energy_and_grad(x)
     return IntegratorState(x, p, energy, grad)

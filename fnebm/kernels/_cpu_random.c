@@ -166,7 +166,10 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
  * over n_rows rows of n values; h and c are one value (stride 0) or one per row (stride 1). Also
  * writes whether each row of x' is finite (finite[r] = 0/1), when finite is not NULL.
  *
- * rows_finite: finite[r] &= every value of row r is finite. */
+ * rows_finite: finite[r] &= every value of row r is finite.
+ *
+ * axpy: out = y + sign (a x) (sign +1 or -1: y - a x), the leapfrog's momentum and position
+ * steps, each operation rounded once; a is one value (stride 0) or one per row (stride 1). */
 #if defined(__GNUC__) && !defined(__clang__)
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #else
@@ -195,6 +198,27 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
             }                                                                                                 \
             if (finite)                                                                                       \
                 finite[r] = !bad;                                                                             \
+        }                                                                                                     \
+    }                                                                                                         \
+    NO_CONTRACT void fnebm_axpy_##SUFFIX(int64_t n_rows, int64_t n, const T *y, int sign, const T *a,         \
+                                         int64_t as, const T *x, T *out) {                                    \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                \
+            const T ar = a[r * as];                                                                           \
+            const T *yr = y + r * n, *xr = x + r * n;                                                         \
+            T *o = out + r * n;                                                                               \
+            if (sign > 0) {                                                                                   \
+                _Pragma("omp simd")                                                                           \
+                for (int64_t i = 0; i < n; i++) {                                                             \
+                    const T t = ar * xr[i];                                                                   \
+                    o[i] = yr[i] + t;                                                                         \
+                }                                                                                             \
+            } else {                                                                                          \
+                _Pragma("omp simd")                                                                           \
+                for (int64_t i = 0; i < n; i++) {                                                             \
+                    const T t = ar * xr[i];                                                                   \
+                    o[i] = yr[i] - t;                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
     void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
