@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["GRAIN", "views", "tensor", "axpy", "euler_maruyama", "rows_finite"]
+__all__ = ["GRAIN", "views", "tensor", "axpy", "euler_maruyama", "mala_diff", "rows_finite"]
 
 GRAIN = 32768  # torch's internal grain size: below it an elementwise operation runs on one thread anyway
 
@@ -138,6 +138,22 @@ def euler_maruyama(lib, x: Tensor, step_size: Tensor, grad: Tensor, scale: Tenso
     em = lib.fnebm_em_f32 if x.dtype == torch.float32 else lib.fnebm_em_f64
     em(rows, x.numel() // rows, x.data_ptr(), grad.data_ptr(), noise.data_ptr(), step_size.data_ptr(), rh[1],
        scale.data_ptr(), rc[1], out.data_ptr(), None)
+    return out
+
+
+def mala_diff(lib, x: Tensor, proposal: Tensor, grad: Tensor, new_grad: Tensor, h: Tensor) -> Tensor | None:
+    """MALA's ``f * f - b * b`` with ``f = (proposal - x) + h grad``, ``b = (x - proposal) + h new_grad``
+    (each operation rounded once) in one C pass of ``lib``, or ``None`` where it does not apply."""
+    if (lib is None or not _C or not (proposal.shape == grad.shape == new_grad.shape == x.shape)
+            or views(x, proposal, grad, new_grad, h) is None):
+        return None
+    rh = _rows(h, x)
+    if rh is None:
+        return None
+    out = torch.empty_like(x)
+    diff = lib.fnebm_mala_diff_f32 if x.dtype == torch.float32 else lib.fnebm_mala_diff_f64
+    diff(rh[0], x.numel() // rh[0], x.data_ptr(), proposal.data_ptr(), grad.data_ptr(), new_grad.data_ptr(),
+         h.data_ptr(), rh[1], out.data_ptr())
     return out
 
 

@@ -223,6 +223,7 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
     forward, backward = y - x + h * grad, x - y + h * grad2
     ratio = e - e2 + (forward * forward - backward * backward).sum(-1) / (4.0 * hc)
     assert torch.equal(log_acceptance_ratio(x, e, grad, y, e2, grad2, hc), ratio)
+    assert torch.equal(_one_thread.mala_diff(lib, x, y, grad, grad2, h), forward * forward - backward * backward)
     for tracked in (x.clone().requires_grad_(True), h.clone().requires_grad_(True)):
         args = [tracked if a.shape == tracked.shape and a.equal(tracked) else a for a in (x, grad, h, noise)]
         out = diffusion.euler_maruyama(*args, s)

@@ -169,7 +169,10 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
  * rows_finite: finite[r] &= every value of row r is finite.
  *
  * axpy: out = y + sign (a x) (sign +1 or -1: y - a x), the leapfrog's momentum and position
- * steps, each operation rounded once; a is one value (stride 0) or one per row (stride 1). */
+ * steps, each operation rounded once; a is one value (stride 0) or one per row (stride 1).
+ *
+ * mala_diff: MALA's proposal densities' elementwise part (fnebm.samplers.mala.log_acceptance_ratio),
+ * out = f f - b b with f = (p - x) + h g and b = (x - p) + h g'. */
 #if defined(__GNUC__) && !defined(__clang__)
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #else
@@ -218,6 +221,21 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
                     const T t = ar * xr[i];                                                                   \
                     o[i] = yr[i] - t;                                                                         \
                 }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    NO_CONTRACT void fnebm_mala_diff_##SUFFIX(int64_t n_rows, int64_t n, const T *x, const T *p, const T *g,  \
+                                              const T *gp, const T *h, int64_t hs, T *out) {                  \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                \
+            const T hr = h[r * hs];                                                                           \
+            const T *xr = x + r * n, *pr = p + r * n, *gr = g + r * n, *qr = gp + r * n;                      \
+            T *o = out + r * n;                                                                               \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                const T fd = pr[i] - xr[i], fs = hr * gr[i], f = fd + fs;                                     \
+                const T bd = xr[i] - pr[i], bs = hr * qr[i], b = bd + bs;                                     \
+                const T ff = f * f, bb = b * b;                                                               \
+                o[i] = ff - bb;                                                                               \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \

@@ -81,8 +81,11 @@ def log_acceptance_ratio(
     else:
         h_event = step_size.reshape(step_size.shape + (1,) * (x.ndim - step_size.ndim))
         h_chain = step_size.reshape(step_size.shape + (1,) * (n_batch - step_size.ndim))
-    arrays = _one_thread.views(x, proposal, grad, new_grad, h_event) if isinstance(h_event, Tensor) else None
-    if arrays is not None:  # a large eager CPU state: the elementwise part on one thread, torch's bits
+    # a large eager CPU state: the elementwise part in one C pass, else NumPy's on one thread (torch's bits)
+    tensors = isinstance(h_event, Tensor)
+    diff = _one_thread.mala_diff(fr._c_helpers(x), x, proposal, grad, new_grad, h_event) if tensors else None
+    arrays = _one_thread.views(x, proposal, grad, new_grad, h_event) if tensors and diff is None else None
+    if arrays is not None:
         import numpy as np
 
         xn, pn, gn, qn, hn = arrays
@@ -94,7 +97,7 @@ def log_acceptance_ratio(
         np.multiply(backward, backward, out=backward)
         np.subtract(forward, backward, out=forward)
         diff = _one_thread.tensor(forward)
-    else:
+    elif diff is None:
         forward = proposal - x + h_event * grad
         backward = x - proposal + h_event * new_grad
         diff = forward * forward - backward * backward
