@@ -11,9 +11,10 @@ operation rounded once (NumPy's ufuncs do not fuse a multiply and an add). Only 
 CPU float tensors of one dtype that nothing tracks (no autograd, no ``torch.func`` transform, no
 compile, no tensor subclass): everywhere else the callers run torch's operations.
 
-Euler–Maruyama's whole update and the rows' finiteness checks run in C where the caller passes
-fnebm's loaded draws library (:func:`euler_maruyama`, :func:`rows_finite`: one pass each, where
-NumPy made two or three, the same bits; ``fnebm/kernels/_cpu_random.c``), else in NumPy.
+Euler–Maruyama's whole update, the leapfrog's steps, MALA's proposal densities' elementwise part and
+the rows' finiteness checks run in C where the caller passes fnebm's loaded draws library
+(:func:`euler_maruyama`, :func:`axpy`, :func:`mala_diff`, :func:`rows_finite`: one pass each, where
+NumPy made two to seven, the same bits; ``fnebm/kernels/_cpu_random.c``), else in NumPy.
 
 Lowest layer: imports torch (and NumPy, on first use).
 """
@@ -107,6 +108,9 @@ def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor, lib=None) -> Tensor:
 _C = True  # False: NumPy's passes only (A/B, tests)
 
 
+_MIN_ROW = 16  # values a row at least, for the C helpers' per-row operands
+
+
 def _rows(t: Tensor, like: Tensor) -> tuple[int, int] | None:
     """``(rows, stride)`` of a tunable ``t`` broadcast against ``like``: one value (stride 0), or one per
     row of ``like``'s leading axes (``t`` of ``like``'s leading shape then size-1 axes, stride 1)."""
@@ -116,7 +120,8 @@ def _rows(t: Tensor, like: Tensor) -> tuple[int, int] | None:
     j = len(shape)
     while j and shape[j - 1] == 1:
         j -= 1
-    if len(shape) != like.dim() or shape[:j] != tuple(like.shape[:j]) or not t.is_contiguous():
+    if (len(shape) != like.dim() or shape[:j] != tuple(like.shape[:j]) or not t.is_contiguous()
+            or like.numel() < _MIN_ROW * t.numel()):  # rows of a few values: NumPy's broadcast is faster
         return None
     return t.numel(), 1
 
@@ -163,7 +168,9 @@ def rows_finite(lib, ok, array) -> bool:
     ``False`` where it does not apply (the caller then uses NumPy)."""
     if lib is None or not _C or array.dtype.kind != "f" or array.itemsize not in (4, 8) or not array.flags.c_contiguous:
         return False
-    if not ok.flags.c_contiguous or ok.dtype.itemsize != 1:
+    import numpy as np
+
+    if not ok.flags.c_contiguous or not ok.flags.writeable or ok.dtype != np.bool_:
         return False
     n_rows = ok.size
     if n_rows == 0 or array.size % n_rows:

@@ -1,7 +1,5 @@
 import math
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -251,6 +249,11 @@ def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
         try:
             assert torch.equal(all_finite(e, a, b, n_batch=2), want)
             assert torch.equal(all_finite(e, a.transpose(0, 1).contiguous().transpose(0, 1), b, n_batch=2), want)
+            # a scalar in another memory order (its mask must still be the one C writes into)
+            assert torch.equal(all_finite(e.t().contiguous().t(), a, b, n_batch=2), want)
+            # a scalar of fewer axes broadcasts, as NumPy's answer does
+            assert torch.equal(all_finite(e[0], a, b, n_batch=2),
+                               torch.isfinite(e[0]) & torch.isfinite(a).all(-1) & torch.isfinite(b).all(-1))
             assert all_finite(e[0, 0], a[0, 0], n_batch=0).shape == ()
         finally:
             _one_thread._C = True

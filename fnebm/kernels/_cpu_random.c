@@ -175,7 +175,7 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
  * out = f f - b b with f = (p - x) + h g and b = (x - p) + h g'. */
 #if defined(__GNUC__) && !defined(__clang__)
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
+#else /* clang contracts only within one expression by default: each operation is its own statement */
 #define NO_CONTRACT
 #endif
 

@@ -291,12 +291,14 @@ def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) 
     except ImportError:  # pragma: no cover - torch without NumPy
         return None
     try:
-        ok = np.array(np.isfinite(scalar.detach().numpy()), dtype=np.bool_)  # a fresh contiguous array
+        ok = np.array(np.isfinite(scalar.detach().numpy()), dtype=np.bool_, order="C")  # fresh, C-ordered
         if events and math.prod(events[0].shape[n_batch:]) > 0:
             for t in events:
                 a = t.detach().numpy()
-                if not _one_thread.rows_finite(_c_library(), ok.reshape(-1), a):  # in C: one pass, no mask
+                # in C, into ok itself (one pass, no mask array) where ok has the batch shape; else NumPy
+                if ok.shape != tuple(t.shape[:n_batch]) or not _one_thread.rows_finite(_c_library(), ok, a):
                     ok = ok & np.isfinite(a.reshape(tuple(t.shape[:n_batch]) + (-1,))).all(-1)
+                    ok = ok if ok.flags.c_contiguous else ok.copy(order="C")
     except RuntimeError:  # a tensor NumPy cannot view (a lazy negation, say)
         return None
     return torch.from_numpy(np.asarray(ok, dtype=np.bool_))
