@@ -13,30 +13,23 @@ import types
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # as tests/conftest.py: on a GPU the kernels run compiled
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import fnebm
+from fnebm import random as fr
+from fnebm.chain import engines
+from fnebm.integrators.diffusion import euler_maruyama
+from fnebm.kernels import mala_step
+from fnebm.samplers import proposal as mh
+from fnebm.samplers.base import all_finite
+from fnebm.samplers.mala import log_acceptance_ratio
 
-triton = pytest.importorskip("triton")
-
-import fnebm  # noqa: E402
-from fnebm import random as fr  # noqa: E402
-from fnebm.integrators.diffusion import euler_maruyama  # noqa: E402
-from fnebm.chain import engines  # noqa: E402
-from fnebm.kernels import mala_step  # noqa: E402
-from fnebm.samplers import proposal as mh  # noqa: E402
-from fnebm.samplers.base import all_finite  # noqa: E402
-from fnebm.samplers.mala import log_acceptance_ratio  # noqa: E402
-
+triton = pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 where there is no GPU
 mala_module = importlib.import_module("fnebm.samplers.mala")
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs TRITON_INTERPRET=1 or a GPU",
-)
 
 
 # On a GPU (no interpreter) the kernels run on CUDA tensors; under the interpreter on CPU ones.
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
 
 
 @pytest.fixture
