@@ -239,11 +239,11 @@ def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
     from fnebm.samplers.base import all_finite
 
     g = torch.Generator().manual_seed(3)
-    e, a, b = torch.randn(6, 4, generator=g, dtype=dtype), torch.randn(6, 4, 50, generator=g, dtype=dtype), \
-        torch.randn(6, 4, 50, generator=g, dtype=dtype)
+    e, a, b = torch.randn(6, 4, generator=g, dtype=dtype), torch.randn(6, 4, 2000, generator=g, dtype=dtype), \
+        torch.randn(6, 4, 2000, generator=g, dtype=dtype)
     a[1, 2, 7], a[5, 0, 49], b[0, 0, 0], b[3, 3, 20], e[2, 1] = math.nan, math.inf, -math.inf, math.nan, math.inf
     want = torch.isfinite(e) & torch.isfinite(a).all(-1) & torch.isfinite(b).all(-1)
-    assert int(want.sum()) == 19
+    assert int(want.sum()) == 19 and a[0].numel() * 6 >= 32768  # large enough for the C rows
     for c in (True, False):
         _one_thread._C = c
         try:
@@ -262,8 +262,8 @@ def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
     from fnebm import random as fr
 
     ok = np.ones(6 * 4, dtype=np.bool_)
-    assert _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 50)) and ok.sum() == 22
-    assert not _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 50)[:, ::2])  # not contiguous: NumPy's turn
+    assert _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 2000)) and ok.sum() == 22
+    assert not _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 2000)[:, ::2])  # not contiguous: NumPy's turn
 
 
 def test_the_one_thread_path_steps_aside_wherever_torch_must_see_the_operations():

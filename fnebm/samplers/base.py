@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fnebm import _checks, _one_thread
+from fnebm import random as fr
 from fnebm.energies.neural import batch_form
 from fnebm.gradients import value_and_grad
 
@@ -296,19 +297,12 @@ def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) 
             for t in events:
                 a = t.detach().numpy()
                 # in C, into ok itself (one pass, no mask array) where ok has the batch shape; else NumPy
-                if ok.shape != tuple(t.shape[:n_batch]) or not _one_thread.rows_finite(_c_library(), ok, a):
+                if ok.shape != tuple(t.shape[:n_batch]) or not _one_thread.rows_finite(fr._c_helpers(t), ok, a):
                     ok = ok & np.isfinite(a.reshape(tuple(t.shape[:n_batch]) + (-1,))).all(-1)
                     ok = ok if ok.flags.c_contiguous else ok.copy(order="C")
     except RuntimeError:  # a tensor NumPy cannot view (a lazy negation, say)
         return None
     return torch.from_numpy(np.asarray(ok, dtype=np.bool_))
-
-
-def _c_library():
-    # fnebm's C draws library (its elementwise helpers), or None
-    from fnebm import random as fr
-
-    return fr._c_library() if fr._C_EAGER else None
 
 
 def chain_axes(energy: Tensor, key: Tensor) -> tuple[int, ...]:

@@ -118,19 +118,17 @@ def build_kernel() -> Callable[..., tuple[MALAState, MALAInfo]]:
         h = per_chain("step_size", step_size, batch, x, host_scalar=True)
         # eagerly on a GPU, the parts around the energy in two launches (fnebm.kernels.mala_step)
         proposal = mala_step.propose(x, grad, key, h) if mala_step.eligible(x, energy, grad, key, h) else None
+        keys = None
         if proposal is None:
             keys = fr.split(key)
             proposal = euler_maruyama(x, grad, h, fr.normal(keys[..., 0, :], x.shape[len(batch):], x.dtype))
-            fused = False
-        else:
-            fused = True
         new_energy, new_grad = value_and_grad(energy_fn, len(batch))(proposal)
-        if fused:
+        if keys is None:  # the fused proposal: the fused accept/reject unless autograd tracks the energy's outputs
             out = (mala_step.accept(*state, proposal, new_energy, new_grad, key, h)
                    if mala_step.eligible(proposal, new_energy, new_grad, key, h) else None)
             if out is not None:
                 return MALAState(*out[0]), MALAInfo(*out[1])
-            keys = fr.split(key)  # autograd tracks the energy's outputs: the accept/reject in torch
+            keys = fr.split(key)
         log_alpha = log_acceptance_ratio(x, energy, grad, proposal, new_energy, new_grad, h.reshape(h.shape[:len(batch)]))
         finite = all_finite(new_energy, new_grad, n_batch=len(batch))
         decision = metropolis_hastings(keys[..., 1, :], log_alpha, finite)
