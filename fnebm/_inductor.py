@@ -40,8 +40,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["inductor_backend", "innermost_call", "compile_patches", "passive_openmp", "machine_compile_s", "record_compile_s",
-           "fast_linker", "linking_fast"]
+__all__ = ["inductor_backend", "innermost_call", "graph_keys", "record_graph", "compiled_before", "cache_hits",
+           "compile_patches", "passive_openmp", "machine_compile_s", "record_compile_s", "fast_linker", "linking_fast"]
 
 # Inductor does not put graphs holding a scan or a while_loop (NUTS, trajectory lengths as data)
 # in its on-disk FX graph cache unless told the operator is safe to cache; the body is part of
@@ -437,6 +437,107 @@ def record_compile_s(kind: str, seconds: float) -> None:
             return
 
 
+# ----------------------------------------------------------------------------- graphs compiled before
+# Which graphs this machine compiled, by a description of what was compiled (fnebm._signature), with
+# the keys of the Inductor graphs they gave: a later process compiling the same finds them in
+# Inductor's on-disk cache (as long as those entries are there), and that compile costs a fraction of
+# a first one (Dynamo's trace, the cache's lookups and the library's load: the eight-schools
+# evaluation's first compiled call took 12-13 s with empty caches and 4.0-4.1 s in the next process
+# on this project's 2-core host). compile="auto" then expects that instead of a first compile's time.
+
+_GRAPHS_KEPT = 256
+
+
+def _graphs_path():
+    times = _times_path()
+    return None if times is None else times.with_name(f"compiled-graphs-{torch.__version__.replace('+', '-')}.json")
+
+
+def _read_graphs(path) -> dict:
+    try:
+        found = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: no record
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items()
+            if isinstance(k, str) and isinstance(v, list) and v and all(isinstance(x, str) for x in v)}
+
+
+def graph_keys(compiled: Callable) -> list[str]:
+    """The on-disk cache keys of the Inductor graphs inside ``compiled`` (what :func:`inductor_backend`
+    returned), found as :func:`innermost_call` finds the graph; ``[]`` where there is none or this
+    torch keeps them elsewhere."""
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:  # pragma: no cover - another torch layout
+        return []
+    keys: list[str] = []
+    for graph in _graphs_inside(compiled, CompiledFxGraph):
+        key = getattr(graph, "_fx_graph_cache_key", None)
+        if isinstance(key, str) and key and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _cached(key: str) -> bool:
+    """Whether Inductor's on-disk graph cache (``TORCHINDUCTOR_CACHE_DIR``, or its default folder)
+    holds an entry for ``key`` (the folder Inductor writes it to: ``fxgraph/<key[1:3]>/<key>``)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # pragma: no cover - another torch layout: not known to be there
+        return False
+    try:
+        folder = os.path.join(cache_dir(), "fxgraph", key[1:3], key)
+        return os.path.isdir(folder) and any(os.scandir(folder))
+    except OSError:
+        return False
+
+
+def record_graph(signature: str | None, keys: list[str]) -> None:
+    """Note that what ``signature`` describes compiled on this machine to the graphs ``keys`` (the
+    last :data:`_GRAPHS_KEPT` signatures kept, in the cache folder beside the compile times)."""
+    if not signature or not keys:
+        return
+    try:
+        path = _graphs_path()
+        if path is None:
+            return
+        with _file_lock(path):
+            graphs = _read_graphs(path)
+            graphs.pop(signature, None)
+            graphs[signature] = list(keys)
+            while len(graphs) > _GRAPHS_KEPT:
+                graphs.pop(next(iter(graphs)))
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(graphs))
+            os.replace(tmp, path)
+    except OSError:
+        return
+
+
+def compiled_before(signature: str | None) -> bool:
+    """Whether what ``signature`` describes was compiled on this machine and every graph it gave is
+    still in Inductor's on-disk cache (then compiling it again is mostly a cache hit)."""
+    if not signature:
+        return False
+    try:
+        keys = _read_graphs(_graphs_path()).get(signature)
+    except OSError:
+        return False
+    return bool(keys) and all(_cached(k) for k in keys)
+
+
+def cache_hits() -> tuple[int, int]:
+    """Inductor's graph-cache hits and misses so far in this process (its counters)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return 0, 0
+    c = counters["inductor"]
+    return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
+
+
 @contextlib.contextmanager
 def _file_lock(path):
     try:
@@ -568,6 +669,23 @@ def innermost_call(compiled: Callable) -> Callable | None:
         from torch._inductor.output_code import CompiledFxGraph
     except ImportError:  # pragma: no cover - another torch layout: the wrapper as it is
         return None
+    found = _graphs_inside(compiled, CompiledFxGraph)
+    if len(found) != 1:
+        return None
+    (graph,) = found
+    absent = object()  # an attribute this torch does not have: not plainly so
+    call = getattr(graph, "current_callable", None)
+    mutated = (getattr(graph, "mutated_inputs", absent), getattr(graph, "mutated_input_idxs", absent))
+    devices = getattr(graph, "device_types", absent)
+    if (call is None or any(m is absent or m for m in mutated) or devices is absent or set(devices) != {"cpu"}
+            or getattr(graph, "cudagraph_info", None) is not None):
+        return None
+    return call
+
+
+def _graphs_inside(compiled: Callable, kind: type) -> list:
+    """The distinct objects of ``kind`` (Inductor's compiled graphs) among ``compiled``'s wrappers'
+    closures, ``__wrapped__`` chains and AOTAutograd's cache wrapper (``compiled_fn``), 8 levels deep."""
     found: list = []
     seen: set[int] = set()
     todo: list = [(compiled, 0)]
@@ -576,7 +694,7 @@ def innermost_call(compiled: Callable) -> Callable | None:
         if id(obj) in seen or depth > 8:
             continue
         seen.add(id(obj))
-        if isinstance(obj, CompiledFxGraph):
+        if isinstance(obj, kind):
             found.append(obj)
             continue
         cells = getattr(obj, "__closure__", None) if callable(obj) else None
@@ -589,15 +707,4 @@ def innermost_call(compiled: Callable) -> Callable | None:
             inner = getattr(obj, name, None)
             if inner is not None and not isinstance(obj, type):
                 todo.append((inner, depth + 1))
-    graphs = {id(g): g for g in found}
-    if len(graphs) != 1:
-        return None
-    (graph,) = graphs.values()
-    absent = object()  # an attribute this torch does not have: not plainly so
-    call = getattr(graph, "current_callable", None)
-    mutated = (getattr(graph, "mutated_inputs", absent), getattr(graph, "mutated_input_idxs", absent))
-    devices = getattr(graph, "device_types", absent)
-    if (call is None or any(m is absent or m for m in mutated) or devices is absent or set(devices) != {"cpu"}
-            or getattr(graph, "cudagraph_info", None) is not None):
-        return None
-    return call
+    return list({id(g): g for g in found}.values())

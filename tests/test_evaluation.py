@@ -54,7 +54,7 @@ def _auto(monkeypatch, estimate: float) -> _FakeCompile:
     """torch.compile faked, a compile expected to take ``estimate`` seconds, no traced tier."""
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: estimate)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: estimate)
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
     return fake
 
@@ -69,7 +69,7 @@ def _rate(ev, x) -> float:
 def test_eager_evaluations_never_compile(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: 0.0)
     f = _fresh(energy)
     ev = evaluation.evaluator(f, 1, False)
     x = fr.normal(fr.key(0), (3, 2))
@@ -88,7 +88,7 @@ def test_auto_compiles_after_its_eager_budget_and_says_so(monkeypatch):
         warnings.simplefilter("error")
         want = ev(x)  # under budget: eager, silent
     assert fake.compiled == 0
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: 0.0)
     with pytest.warns(evaluation.EnergyCompileNotice, match="compiling this energy's value and gradient now"):
         got = evaluation.evaluator(f, 1, "auto")(x)  # a new step of the same energy: the same clock
     assert fake.compiled == 1 and fake.calls == 1
@@ -124,7 +124,7 @@ def test_new_code_keeps_the_threads_the_tier_below_chose(monkeypatch):
     # torch's thread count: each count timed would be a compile of its own)
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: 1e9)
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 1e9)
     ev = evaluation.evaluator(_fresh(energy), 1, "auto")
     x = fr.normal(fr.key(15), (3, 2))
@@ -228,7 +228,7 @@ def test_a_long_kernel_loop_tells_its_evaluator_what_it_expects(monkeypatch):
 def test_auto_traces_before_it_compiles(monkeypatch):
     fake = _FakeCompile()
     monkeypatch.setattr(torch, "compile", fake)
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 1e9)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: 1e9)
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
     f = _fresh(energy)
     x = fr.normal(fr.key(11), (3, 2))
@@ -238,7 +238,7 @@ def test_auto_traces_before_it_compiles(monkeypatch):
         evaluation.evaluator(f, 1, "auto")(x)
     assert fake.backends == ["aot_eager"] and fake.calls == 2
     torch.testing.assert_close(got, evaluation.evaluator(f, 1, False)(x))
-    monkeypatch.setattr(evaluation, "compile_estimate", lambda: 0.0)
+    monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: 0.0)
     with pytest.warns(evaluation.EnergyCompileNotice):
         evaluation.evaluator(f, 1, "auto")(x)
     assert fake.backends == ["aot_eager", "inductor"]
@@ -250,6 +250,27 @@ def test_auto_expects_a_compile_to_take_what_one_took_here(monkeypatch):
     ev = evaluation._evaluation(_fresh(energy), 1)
     ev.compile_s = 3.5
     assert evaluation.compile_estimate() == 3.5
+
+
+def test_auto_expects_a_compile_this_machine_made_before_to_cost_what_such_compiles_took(monkeypatch):
+    # a graph Inductor's on-disk cache holds (fnebm._inductor.compiled_before) is mostly a cache hit to compile
+    # again: "auto" expects what such compiles took here (else CACHED_COMPILE_S), not a first compile's time
+    monkeypatch.setattr(evaluation, "_kept", type(evaluation._kept)())
+    ev = evaluation._evaluation(_fresh(energy), 1)
+    x = fr.normal(fr.key(5), (3, 2))
+    before = {}
+    monkeypatch.setattr(_inductor, "compiled_before", lambda sig: before.get(sig, False))
+    monkeypatch.setattr(_inductor, "machine_compile_s", lambda kind: {"energy": 11.0}.get(kind))
+    assert ev.signature(x) is None and not ev.compiled_before(x)  # the threads not chosen yet: not looked up
+    ev.one_thread = True
+    assert evaluation.compile_estimate(ev, x) == 11.0  # not compiled before: a first compile's time
+    before[ev.signature(x)] = True
+    assert evaluation.compile_estimate(ev, x) == 11.0  # looked up once per layout and threads
+    ev._before.clear()
+    assert evaluation.compile_estimate(ev, x) == evaluation.CACHED_COMPILE_S
+    monkeypatch.setattr(_inductor, "machine_compile_s", lambda kind: {"energy": 11.0, "energy-cached": 2.5}.get(kind))
+    assert evaluation.compile_estimate(ev, x) == 2.5
+    assert not ev.compiled_before(fr.normal(fr.key(5), (4, 2)))  # another layout: another graph
 
 
 def test_a_compile_that_fails_is_said_once_and_stays_eager(monkeypatch):
@@ -276,6 +297,8 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     # C kernel's loop (its input buffer rewritten between calls); same trees, float-close draws;
     # and the traced tier of "auto" (aot_eager), on a fresh energy object of its own
     monkeypatch.setattr(evaluation, "TRACE_AFTER_S", 0.0)
+    recorded = []  # the graphs the compiles record (_inductor.record_graph), for a later process
+    monkeypatch.setattr(_inductor, "record_graph", lambda sig, keys: recorded.append((sig, list(keys))))
     direct = []
     real_direct = evaluation._direct
     monkeypatch.setattr(evaluation, "_direct", lambda *a: direct.append(real_direct(*a)) or direct[-1])
@@ -288,7 +311,7 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
             compiled_f, f = f, _fresh(energy)
             # the traced tier only: a compile is never worth it here (else "auto" compiles whenever the
             # compile above was quick against the kernel's expected evaluations, as on a warm Inductor cache)
-            monkeypatch.setattr(evaluation, "compile_estimate", lambda: float("inf"))
+            monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: float("inf"))
         # "wrapped": the same compiled graph, its pinned calls through AOTAutograd's wrapper
         monkeypatch.setattr(evaluation, "DIRECT", compile_energy != "wrapped")
         alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy in (True, "wrapped") or compile_energy)
@@ -310,7 +333,10 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     # the compiled graph's outputs are contiguous (its products of 8 x 2 are computed transposed, which
     # left the gradient with strides (1, 8), copied by the kernel's loop at every trip)
     e, g = evaluation.evaluator(compiled_f, 1, True)(x0)
-    assert evaluation._evaluation(compiled_f, 1).compile_s is not None
+    compiled_ev = evaluation._evaluation(compiled_f, 1)
+    assert compiled_ev.compile_s is not None
+    # the compile recorded its Inductor graph: a later process knows this machine compiled it (a cache hit)
+    assert recorded and recorded[-1][0] == compiled_ev.signature(x0) and recorded[-1][1] == compiled_ev.graph_keys != []
     assert e.is_contiguous() and g.is_contiguous()
 
 

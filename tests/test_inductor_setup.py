@@ -233,3 +233,72 @@ def test_the_precompiled_header_is_named_without_the_linker(monkeypatch):
         codecache._precompile_header("cpp_prefix.h", line, device_type="cpu")
     codecache._precompile_header("cpp_prefix.h", "g++ k.cpp -O3 -o k.so  -ltorch", device_type="cpu")
     assert names == ["g++ k.cpp -O3 -o k.so  -ltorch"] * 2  # the same name in fnebm's compiles and torch's
+
+
+def test_a_graph_compiled_before_is_known_while_inductors_cache_holds_it(record, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    key = "fabcdefghijklmnop"
+    assert not _inductor.compiled_before("sig")  # nothing recorded
+    _inductor.record_graph("sig", [key])
+    assert not _inductor.compiled_before("sig")  # recorded, but Inductor's cache does not hold the graph
+    entry = tmp_path / "inductor" / "fxgraph" / key[1:3] / key
+    entry.mkdir(parents=True)
+    (entry / "artifact").write_text("x")
+    assert _inductor.compiled_before("sig") and not _inductor.compiled_before("other")
+    assert not _inductor.compiled_before(None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "emptied"))  # a new (or wiped) cache
+    assert not _inductor.compiled_before("sig")
+    for i in range(_inductor._GRAPHS_KEPT + 5):  # the record keeps the most recent signatures
+        _inductor.record_graph(f"s{i}", [key])
+    kept = json.loads(_inductor._graphs_path().read_text())
+    assert len(kept) == _inductor._GRAPHS_KEPT and "sig" not in kept and f"s{_inductor._GRAPHS_KEPT + 4}" in kept
+    _inductor._graphs_path().write_text("[not a dict]")  # a damaged record is no record
+    assert not _inductor.compiled_before("s300")
+
+
+def test_auto_expects_a_runner_this_machine_compiled_before_to_cost_what_such_compiles_took(record, monkeypatch):
+    from fnebm.chain import runner
+
+    before = {"sig": True}
+    monkeypatch.setattr(_inductor, "compiled_before", lambda sig: before.get(sig, False))
+    _inductor.record_compile_s("chain", 18.0)
+    cache = RunnerCache()
+    assert cache._compile_cost("kind") == (18.0, "machine")  # not described: a first compile's time
+    cache.describe("kind", "sig")
+    assert cache.described("kind") and cache._compile_cost("kind") == (runner.CACHED_COMPILE_S, "cached")
+    _inductor.record_compile_s("chain-cached", 4.5)
+    assert cache._compile_cost("kind") == (4.5, "cached")
+    with pytest.warns(UserWarning, match="this machine compiled this sampler before"):
+        cache.plan("kind", "shapes", 10, "auto")
+    other = RunnerCache()
+    other.describe("kind", "unknown")
+    assert other._compile_cost("kind") == (18.0, "machine")
+
+
+def test_a_runners_first_compiled_call_records_its_graphs_as_a_first_or_a_cached_compile(record, monkeypatch):
+    recorded, counts = [], iter([(0, 0), (0, 1), (1, 1), (2, 1)])  # a miss, then a hit
+    monkeypatch.setattr(_inductor, "record_graph", lambda sig, keys: recorded.append((sig, list(keys))))
+    monkeypatch.setattr(_inductor, "cache_hits", lambda: next(counts))
+    for key in ("a", "b"):
+        cache = RunnerCache()
+        cache.describe(key, f"sig-{key}")
+        cache._graph_keys[key] = [f"graph-{key}"]
+        run = cache._timed(key, lambda x: x + 1)
+        assert run(1) == 2 and run(2) == 3  # timed and recorded once
+    assert recorded == [("sig-a", ["graph-a"]), ("sig-b", ["graph-b"])]
+    assert [k for k, _ in json.loads(record.read_text())] == ["chain", "chain-cached"]
+
+
+def test_sample_chain_describes_the_runner_it_may_compile():
+    import fnebm
+    from fnebm import random as fr
+
+    cache = RunnerCache(compile_estimate_s=1e9)  # never compiles here
+    alg = fnebm.langevin(lambda x: 0.5 * (x * x).sum(), 0.1)  # a function of the user's: the torch engine
+    state = torch.func.vmap(alg.init)(torch.zeros(3, 2))
+    fnebm.sample_chain(alg.step, state, fr.key(0), 5, cache=cache, progress=False)
+    (sig,) = cache._signatures.values()
+    assert isinstance(sig, str) and len(sig) == 32
+    eager = RunnerCache()
+    fnebm.sample_chain(alg.step, state, fr.key(0), 5, cache=eager, compile=False, progress=False)
+    assert not eager._signatures  # compile=False: nothing will compile

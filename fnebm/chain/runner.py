@@ -38,6 +38,11 @@ class CompileFallbackWarning(UserWarning):
 # fnebm's Inductor backend lives in fnebm._inductor (the evaluations of fnebm.samplers.evaluation
 # compile with it too); importable from here as before
 inductor_backend = _inductor.inductor_backend
+# what compile="auto" expects a compile of a runner this machine compiled before to take (its graph in
+# Inductor's on-disk cache), before such a compile is recorded: on this project's 2-core host the Langevin
+# runners of bench/user.py's 784-D MLP and ConvNet took 17.7 and 19.7 s to compile with empty caches, and
+# 6.2 and 5.2 s in the next process
+CACHED_COMPILE_S = 6.0
 
 _IDS = itertools.count()
 
@@ -256,6 +261,11 @@ class RunnerCache:
         # seconds of each runner's first compiled call (compile + one chunk), measured in this
         # process: auto's cost of a compile once one is known (only with the default estimate)
         self.compile_s: dict[Hashable, float] = {}
+        # each runner's description the same in every process (fnebm._signature, given by sample_chain),
+        # the Inductor graphs its compile gave, and whether this machine compiled it before
+        self._signatures: dict[Hashable, str | None] = {}
+        self._graph_keys: dict[Hashable, list[str]] = {}
+        self._before: dict[Hashable, bool] = {}
 
     def ledger(self, key: Hashable, shapes: Hashable) -> _Ledger:
         """The eager time spent and compile state of one kind of step at one set of shapes."""
@@ -294,7 +304,8 @@ class RunnerCache:
         if per is None:
             return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
         eager = per * steps
-        cost = {"process": "a compile took here", "machine": "compiles took on this machine (the median recorded)"}.get(
+        cost = {"process": "a compile took here", "machine": "compiles took on this machine (the median recorded)",
+                "cached": "a compile of a graph this machine compiled before (in Inductor's on-disk cache) is expected to take"}.get(
             measured, "a compile is taken to cost")
         if ledger.eager_s + eager <= est:
             return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
@@ -333,17 +344,44 @@ class RunnerCache:
         ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
         ledger.pending.start()
 
+    def describe(self, key: Hashable, signature: str | None) -> None:
+        """Runner ``key``'s description, the same in every process (:func:`fnebm._signature.signature` of
+        its step, ``collect`` and shapes): its compile is recorded under it, and a later process that
+        finds it recorded, with its graphs still in Inductor's on-disk cache, expects a cheaper compile."""
+        with self._lock:
+            if key not in self._signatures:
+                self._signatures[key] = signature
+
+    def described(self, key: Hashable) -> bool:
+        return key in self._signatures
+
+    def compiled_before(self, key: Hashable) -> bool:
+        """Whether this machine compiled runner ``key`` before (in an earlier process) and Inductor's
+        on-disk cache still holds its graphs; looked up once per runner."""
+        found = self._before.get(key)
+        if found is None:
+            signature = self._signatures.get(key)
+            if signature is None:
+                return False
+            found = self._before[key] = _inductor.compiled_before(signature)
+        return found
+
     def _compile_cost(self, key: Hashable) -> tuple[float, str | bool]:
         """What ``auto`` takes a compile to cost, and where that was measured (``"process"``,
-        ``"machine"``, or ``False`` for the assumed figure): this runner's first
+        ``"cached"``, ``"machine"``, or ``False`` for the assumed figure): this runner's first
         compiled call where it ran in this process (its graph, maybe from Inductor's on-disk
-        cache); for another graph the median of the first compiled calls recorded on this machine
+        cache); for a runner this machine compiled before whose graphs Inductor's on-disk cache still
+        holds (:meth:`compiled_before`), the median of such compiles recorded here (else
+        :data:`CACHED_COMPILE_S`); for another graph the median of the first compiled calls recorded on this machine
         (:func:`fnebm._inductor.machine_compile_s`), else ``compile_estimate_s``, raised to the
         longest first call measured in this process (a busy machine compiles slower)."""
         if not self._measure:
             return self.compile_estimate_s, False
         if key in self.compile_s:
             return self.compile_s[key], "process"
+        if self.compiled_before(key):
+            cached = _inductor.machine_compile_s("chain-cached")
+            return (cached if cached is not None else CACHED_COMPILE_S), "cached"
         longest = max(self.compile_s.values(), default=0.0)
         machine = _inductor.machine_compile_s("chain")
         base, measured = (machine, "machine") if machine is not None else (self.compile_estimate_s, False)
@@ -358,10 +396,17 @@ class RunnerCache:
         def first_timed(*args):
             if key in self.compile_s:
                 return run(*args)
+            hits0, misses0 = _inductor.cache_hits()
             t0 = time.perf_counter()
             out = run(*args)
             self.compile_s[key] = time.perf_counter() - t0
-            _inductor.record_compile_s("chain", self.compile_s[key])
+            hits, misses = _inductor.cache_hits()
+            # served by Inductor's on-disk cache: timed apart from first compiles (_compile_cost); another
+            # thread's compile meanwhile (a background one) can move the counters, and then it counts as a first
+            cached = hits > hits0 and misses == misses0
+            _inductor.record_compile_s("chain-cached" if cached else "chain", self.compile_s[key])
+            _inductor.record_graph(self._signatures.get(key), self._graph_keys.get(key, []))
+            self._before.pop(key, None)
             return out
 
         return first_timed
@@ -382,12 +427,23 @@ class RunnerCache:
         with self._lock:
             run = self._runners.pop(key, None)
             if run is None:
-                backend = inductor_backend if self.backend == "inductor" else self.backend
+                backend = self._recording(key) if self.backend == "inductor" else self.backend
                 run = self._timed(key, _lifting(torch.compile(_fresh(_chunk), fullgraph=True, backend=backend)))
             self._runners[key] = run
             while len(self._runners) > self.maxsize:
                 self._runners.popitem(last=False)
             return run
+
+    def _recording(self, key: Hashable) -> Callable:
+        """Inductor (:func:`fnebm._inductor.inductor_backend`), keeping the keys of the graphs it gives runner ``key``."""
+
+        def backend(gm, example_inputs):
+            compiled = inductor_backend(gm, example_inputs)
+            found = self._graph_keys.setdefault(key, [])
+            found.extend(k for k in _inductor.graph_keys(compiled) if k not in found)
+            return compiled
+
+        return backend
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -407,6 +463,9 @@ class RunnerCache:
             self._probes.clear()
             self._ledgers.clear()
             self.compile_s.clear()
+            self._signatures.clear()
+            self._graph_keys.clear()
+            self._before.clear()
 
 
 default_cache = RunnerCache()
@@ -433,6 +492,9 @@ def _announce(plan: RunPlan, measured: str | bool) -> RunPlan:
         frame, level = frame.f_back, level + 1
     if measured == "machine":
         cost = f"compiles took {plan.compile_estimate_s:.3g} s on this machine, the median recorded"
+    elif measured == "cached":
+        cost = (f"this machine compiled this sampler before and Inductor's on-disk cache holds its graph: such a "
+                f"compile is expected to take {plan.compile_estimate_s:.3g} s")
     elif measured:
         cost = f"a compile took {plan.compile_estimate_s:.3g} s in this process"
     else:

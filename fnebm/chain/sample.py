@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm import _checks
+from fnebm import _checks, _signature
 from fnebm import random as fr
 from fnebm.chain import engines
 from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, sync
@@ -441,6 +441,10 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)
     shapes = tuple((x.shape, x.dtype, x.device) for x in leaves)
     ledger = cache.ledger(runner_key, shapes)
+    if compile is not False and not ledger.compiled and not cache.described(runner_key):
+        # what this runner compiles to, described the same in every process: a compile of it is recorded on
+        # this machine, and a later process whose Inductor cache still holds it expects a cheaper compile
+        cache.describe(runner_key, _signature.signature("chain", step, collect, str(runner_key[2]), n, shapes))
     timed = ledger if compile == "auto" and not ledger.compiled and ledger.eager_steps == 0 else None
     # a first step that, slow as it is, keeps this call's steps (and the probe) within a compile's cost
     budget = cache._compile_cost(runner_key)[0] / (total + 1) if timed is not None else math.inf

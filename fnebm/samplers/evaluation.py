@@ -62,11 +62,15 @@ from torch import Tensor
 from fnebm import _checks
 from fnebm.gradients import value_and_grad
 
-__all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
+__all__ = ["evaluator", "EnergyCompileNotice", "AUTO_COMPILE_AFTER_S", "CACHED_COMPILE_S", "TRACE_AFTER_S", "COMPILE_CHOICES",
            "TUNE_CALLS", "TWO_THREADS_BY", "EXPECTED_FACTOR"]
 
 AUTO_COMPILE_AFTER_S = 12.0  # eager evaluation seconds after which "auto" compiles, before any compile is measured
 # (a first energy compile measured here on a machine that had never compiled; module docstring)
+# what "auto" expects a compile of an evaluation this machine compiled before to take, before any such
+# compile is recorded: the eight-schools evaluation's first compiled call in a later process took 3.1-4.1 s
+# on this project's 2-core host (Inductor's on-disk cache hit; 10-13 s in the first, empty caches)
+CACHED_COMPILE_S = 4.0
 TRACE_AFTER_S = 0.5  # eager evaluation seconds after which "auto" traces the evaluation (no code generation)
 TUNE_CALLS = 8  # calls timed, alternately on torch's threads and on one, before an evaluator keeps the faster
 # torch's threads are kept only when their fastest call beats one thread's by this factor: the choice
@@ -95,6 +99,9 @@ class _Evaluation:
 
     def __init__(self, energy_fn: Any, chain_ndim: int) -> None:
         self.eager = value_and_grad(energy_fn, chain_ndim)
+        self.energy_fn, self.chain_ndim = energy_fn, chain_ndim
+        self.graph_keys: list[str] = []  # the Inductor graphs its compile gave (their on-disk cache keys)
+        self._before: dict = {}  # whether this machine compiled it before, per positions' layout and threads
         self.entry = _fresh(self.eager)  # what torch.compile sees: a code object of this evaluator's own
         self.compiled: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
         self.failed: str | None = None
@@ -214,7 +221,9 @@ class _Evaluation:
 
         # Inductor's checks of its inputs' sizes and strides at every call repeat what Dynamo's guards
         # check (shapes are static), and a pinned call's positions are checked against the pin
-        return self._recording(_inductor.inductor_backend(gm, example_inputs, extra={"size_asserts": False}))
+        compiled = _inductor.inductor_backend(gm, example_inputs, extra={"size_asserts": False})
+        self.graph_keys.extend(k for k in _inductor.graph_keys(compiled) if k not in self.graph_keys)
+        return self._recording(compiled)
 
     def _traced_backend(self, gm: Any, example_inputs: Any) -> Callable:
         from torch._dynamo.backends.debugging import aot_eager  # the "aot_eager" backend itself
@@ -295,15 +304,18 @@ class _Evaluation:
                     self.recent = (0.0, 0)  # the rate on the threads chosen, not the trials' mix
         return out, seconds
 
-    def compile_now(self, announce: bool, expected: float | None = None) -> None:
+    def compile_now(self, announce: bool, expected: float | None = None, estimate: float | None = None,
+                    cached: bool = False) -> None:
         if self.compiled is not None or self.failed is not None:
             return
         import torch
 
         if announce:
-            why = ("as long as a compile is expected to take" if expected is None else
-                   f"and this run expects about {expected:.3g} s more of them, over {EXPECTED_FACTOR:g} times what a "
-                   "compile is expected to take")
+            cost = "a compile is expected to take" if estimate is None else f"the {estimate:.3g} s a compile is expected to take"
+            if cached:
+                cost += " (this machine compiled it before: Inductor's on-disk cache holds its graph)"
+            why = (f"as long as {cost}" if expected is None else
+                   f"and this run expects about {expected:.3g} s more of them, over {EXPECTED_FACTOR:g} times {cost}")
             warnings.warn(f"fnebm: compiling this energy's value and gradient now (its eager evaluations took "
                           f"{self.eager_s:.3g} s so far, {why}; "
                           "compile_energy='auto'). Pass compile_energy=False to keep them eager, or True to compile "
@@ -314,6 +326,9 @@ class _Evaluation:
     def compiled_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         if self.compile_s is not None:
             return self.run(self._call_compiled, x, tune)[0]
+        from fnebm import _inductor
+
+        hits0, misses0 = _inductor.cache_hits()
         t0 = time.perf_counter()
         try:
             with self._chosen_threads():  # compiled for the threads its calls run on (Dynamo guards on them)
@@ -326,13 +341,47 @@ class _Evaluation:
                           "evaluations stay eager", RuntimeWarning, stacklevel=_outside_fnebm())
             return out
         self.compile_s = time.perf_counter() - t0
-        from fnebm import _inductor
-
-        _inductor.record_compile_s("energy", self.compile_s)
+        hits, misses = _inductor.cache_hits()
+        # a compile served by Inductor's on-disk cache is timed apart from a first one (what a compile of a
+        # graph this machine compiled before is expected to cost, compile_estimate)
+        cached = hits > hits0 and misses == misses0
+        _inductor.record_compile_s("energy-cached" if cached else "energy", self.compile_s)
+        _inductor.record_graph(self.signature(x), self.graph_keys)
+        self._before.clear()
         # The threads stay as the tier below chose them: Dynamo guards on torch's thread count, so
         # timing the compiled code on both would compile it twice (a second 2.9 s compile in the 100-D
         # Gaussian's cold warm-up, and a second trace in every cold run that traced)
         return out
+
+    def signature(self, x: Tensor) -> str | None:
+        """What this evaluation compiles to, described the same way in every process
+        (:func:`fnebm._signature.signature`): the energy, the chain axes, the positions' shape, dtype
+        and device, and the threads its compiled code runs on; ``None`` before those are chosen."""
+        if self.one_thread is None and self.compiled is None:
+            return None
+        import torch
+
+        from fnebm import _signature
+
+        threads = 1 if self.one_thread else torch.get_num_threads()
+        return _signature.signature("evaluation", self.energy_fn, self.chain_ndim, tuple(x.shape), x.dtype,
+                                    x.device.type, threads)
+
+    def compiled_before(self, x: Tensor) -> bool:
+        """Whether this machine compiled this evaluation (at ``x``'s layout, on these threads) before and
+        its graphs are still in Inductor's on-disk cache; looked up once per layout and threads."""
+        import torch
+
+        at = (tuple(x.shape), x.dtype, x.device.type, self.one_thread, torch.get_num_threads())
+        found = self._before.get(at)
+        if found is None:
+            signature = self.signature(x)
+            if signature is None:
+                return False
+            from fnebm import _inductor
+
+            found = self._before[at] = _inductor.compiled_before(signature)
+        return found
 
     def traced_call(self, x: Tensor, tune: bool = True) -> tuple[Tensor, Tensor]:
         """The evaluation traced once by Dynamo and AOTAutograd and run as plain aten calls (the
@@ -462,16 +511,22 @@ def _evaluation(energy_fn: Any, chain_ndim: int) -> _Evaluation:
         return ev
 
 
-def compile_estimate() -> float:
-    """Seconds a compile of an evaluation is expected to take: the longest measured in this process
-    (of the evaluators kept), else the median recorded on this machine
+def compile_estimate(ev: _Evaluation | None = None, x: Tensor | None = None) -> float:
+    """Seconds a compile of an evaluation is expected to take. For ``ev`` at ``x`` when this machine
+    compiled it before and its graphs are still in Inductor's on-disk cache
+    (:meth:`_Evaluation.compiled_before`): the median recorded here of such compiles, else
+    :data:`CACHED_COMPILE_S`. Otherwise: the longest measured in this process (of the evaluators
+    kept), else the median recorded on this machine of first compiles
     (:func:`fnebm._inductor.machine_compile_s`), else :data:`AUTO_COMPILE_AFTER_S`."""
+    from fnebm import _inductor
+
+    if ev is not None and x is not None and ev.compiled_before(x):
+        cached = _inductor.machine_compile_s("energy-cached")
+        return cached if cached is not None else CACHED_COMPILE_S
     with _lock:
         seen = [ev.compile_s for _, ev in _kept.values() if ev.compile_s is not None]
     if seen:
         return max(seen)
-    from fnebm import _inductor
-
     machine = _inductor.machine_compile_s("energy")
     return machine if machine is not None else AUTO_COMPILE_AFTER_S
 
@@ -499,15 +554,15 @@ class Evaluate:
         if self.mode is False or ev.failed is not None:
             return ev.eager_call(x, tune)
         if self.mode == "auto" and ev.compiled is None:
-            estimate = compile_estimate()
+            estimate = compile_estimate(ev, x)
             expected = ev.expected_s()
             if ev.eager_s >= estimate:
                 # the budget is spent: compile, unless this loop's remaining evaluations would take less
                 # than the compile; then the loop ends on this tier and the next one compiles at its first call
                 if expected is None or expected >= estimate:
-                    ev.compile_now(announce=True)
+                    ev.compile_now(announce=True, estimate=estimate, cached=ev.compiled_before(x))
             elif expected is not None and expected >= EXPECTED_FACTOR * estimate:
-                ev.compile_now(announce=True, expected=expected)
+                ev.compile_now(announce=True, expected=expected, estimate=estimate, cached=ev.compiled_before(x))
         if ev.compiled is not None:
             return ev.compiled_call(x, tune)
         if tune and not ev.trace_failed and (ev.traced is not None or ev.eager_s >= TRACE_AFTER_S):
