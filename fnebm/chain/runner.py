@@ -226,7 +226,10 @@ class RunnerCache:
     ``compile_estimate_s``: what ``sample_chain(compile="auto")`` takes a new compile to cost
     (default: 20 s for Inductor — on a 2-core CPU a sampler's graph took 29-37 s with an empty
     on-disk cache and about 6 s with a warm one — and 0 for any other backend, so that ``auto``
-    always compiles with a debugging or counting backend).
+    always compiles with a debugging or counting backend). With the default, what compiles took on
+    this machine replaces it (:meth:`_compile_cost`): first compiles, and for a runner this machine
+    compiled in an earlier process whose graph Inductor's on-disk cache still holds, compiles served
+    by that cache (:data:`CACHED_COMPILE_S` before one is recorded).
 
     ``background`` (default ``False``; experimental): when ``compile="auto"`` decides to compile,
     the compile runs in a background thread and the steps go on eagerly (the same keys, the same

@@ -13,7 +13,10 @@ it has one, else ``vmap``), eager or compiled:
   traced once (Dynamo and AOTAutograd, the ``aot_eager`` backend: a second or two, no code
   generation) and run as plain aten calls without ``torch.func``'s per-operation overhead; then
   compiled by Inductor (announced by an :class:`EnergyCompileNotice`) once the evaluations of
-  this energy have taken as long as a compile is expected to take: the longest compile of an
+  this energy have taken as long as a compile is expected to take: for an evaluation this machine
+  compiled in an earlier process whose graph Inductor's on-disk cache still holds
+  (:meth:`_Evaluation.compiled_before`), what such compiles took here (else :data:`CACHED_COMPILE_S`);
+  otherwise the longest compile of an
   evaluation measured in this process, else the median recorded on this machine, else
   :data:`AUTO_COMPILE_AFTER_S`, 12 s: a first compile of a small energy's evaluation on this
   project's 2-core host took 11.8-12.9 s on a machine that had never compiled (the 100-D Gaussian
