@@ -26,6 +26,7 @@ Lowest layer: imports torch, and :mod:`fnebm._cbuild` for the cache folder.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -398,8 +399,19 @@ def _read_times() -> list:
                          if isinstance(t, (int, float)) and t > 0 and math.isfinite(t)]
         except Exception:  # noqa: BLE001 - a damaged or foreign file: no record
             found = []
-        _times = found[-_TIMES_KEPT:]
+        _times = _last_per_kind(found)
     return _times
+
+
+def _last_per_kind(times: list) -> list:
+    """The last :data:`_TIMES_KEPT` entries of each kind, in their order (a kind recorded often, such as
+    compiles served by the cache, does not push another kind's out)."""
+    kept, counts = [], collections.Counter()
+    for entry in reversed(times):
+        counts[entry[0]] += 1
+        if counts[entry[0]] <= _TIMES_KEPT:
+            kept.append(entry)
+    return kept[::-1]
 
 
 def machine_compile_s(kind: str) -> float | None:
@@ -420,7 +432,7 @@ def record_compile_s(kind: str, seconds: float) -> None:
     with _times_lock:
         try:
             path = _times_path()
-        except OSError:
+        except Exception:  # noqa: BLE001 - no cache folder (no home directory...): nothing recorded
             return
         if path is None:  # nowhere to keep it: this process's own compiles are known to their callers
             return
@@ -429,7 +441,7 @@ def record_compile_s(kind: str, seconds: float) -> None:
                 _times = None
                 times = _read_times()
                 times.append((kind, max(round(float(seconds), 3), 0.001)))
-                del times[:-_TIMES_KEPT]
+                times[:] = _last_per_kind(times)
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(times))
                 os.replace(tmp, path)
@@ -484,12 +496,17 @@ def _cached(key: str) -> bool:
     """Whether Inductor's on-disk graph cache (``TORCHINDUCTOR_CACHE_DIR``, or its default folder)
     holds an entry for ``key`` (the folder Inductor writes it to: ``fxgraph/<key[1:3]>/<key>``)."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # pragma: no cover - another torch layout: not known to be there
         return False
     try:
-        folder = os.path.join(cache_dir(), "fxgraph", key[1:3], key)
-        return os.path.isdir(folder) and any(os.scandir(folder))
+        # Inductor's own cache_dir() would also create the folder and set the variable: only looked at here
+        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+        folder = os.path.join(root, "fxgraph", key[1:3], key)
+        if not os.path.isdir(folder):
+            return False
+        with os.scandir(folder) as entries:
+            return any(True for _ in entries)
     except OSError:
         return False
 
@@ -512,7 +529,7 @@ def record_graph(signature: str | None, keys: list[str]) -> None:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(graphs))
             os.replace(tmp, path)
-    except OSError:
+    except Exception:  # noqa: BLE001 - no cache folder, or one this process cannot write: nothing recorded
         return
 
 
@@ -523,9 +540,15 @@ def compiled_before(signature: str | None) -> bool:
         return False
     try:
         keys = _read_graphs(_graphs_path()).get(signature)
-    except OSError:
+        if not keys:
+            return False
+        from torch._inductor import config
+
+        if not config.fx_graph_cache or config.force_disable_caches:
+            return False  # the cache is off in this process: a compile here is a first one
+        return all(_cached(k) for k in keys)
+    except Exception:  # noqa: BLE001 - no cache folder, an unreadable record: not known
         return False
-    return bool(keys) and all(_cached(k) for k in keys)
 
 
 def cache_hits() -> tuple[int, int]:

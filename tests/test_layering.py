@@ -20,13 +20,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fnebm"
 # DESIGN.md's "depends on" column, and what its text adds (marked). A unit may import what its
 # dependencies may import (transitively), itself, and the bottom helpers BASE. A new dependency
 # is a decision: write it here (and in DESIGN.md) rather than around the test.
-# argument checks, while_loop, large elementwise updates on one thread: torch only, usable everywhere
-BASE = {"_checks", "_control", "_one_thread"}
+# argument checks, while_loop, large elementwise updates on one thread, descriptions of callables: torch
+# only, usable everywhere
+BASE = {"_checks", "_control", "_one_thread", "_signature"}
 ALL = "everything"
 LAYERS: dict[str, set[str] | str] = {
     "_checks": set(),
     "_control": set(),
     "_one_thread": set(),
+    "_signature": set(),  # a description of a callable the same in every process (the compile records)
     "_philox_triton": set(),
     "_cbuild": set(),  # building and loading the C sources (torch and the standard library)
     "_random_cpu": {"_cbuild"},  # random's eager CPU draws in C

@@ -266,9 +266,10 @@ class RunnerCache:
         self.compile_s: dict[Hashable, float] = {}
         # each runner's description the same in every process (fnebm._signature, given by sample_chain),
         # the Inductor graphs its compile gave, and whether this machine compiled it before
-        self._signatures: dict[Hashable, str | None] = {}
+        self._signatures: dict[tuple, str | None] = {}  # per (runner, shapes)
         self._graph_keys: dict[Hashable, list[str]] = {}
-        self._before: dict[Hashable, bool] = {}
+        self._before: dict[tuple, bool] = {}
+        self._shapes: dict[Hashable, Hashable] = {}  # the shapes a runner's compile is for (its plan's)
 
     def ledger(self, key: Hashable, shapes: Hashable) -> _Ledger:
         """The eager time spent and compile state of one kind of step at one set of shapes."""
@@ -289,6 +290,12 @@ class RunnerCache:
         in hindsight would have; a long run compiles at once, a short one never waits for a
         compile.
         """
+        plan = self._plan(key, shapes, steps, compile)
+        if plan.compiled or plan.background:
+            self._shapes[key] = shapes  # what its first compiled call is recorded under (_timed)
+        return plan
+
+    def _plan(self, key: Hashable, shapes: Hashable, steps: int, compile: bool | str) -> RunPlan:
         ledger = self.ledger(key, shapes)
         est, per = self.compile_estimate_s, ledger.step_s()
         if compile is False:
@@ -303,7 +310,7 @@ class RunnerCache:
                            per, est, steps, background=True)
         if compile is True:
             return RunPlan(True, True, "compile=True", per, est, steps)
-        est, measured = self._compile_cost(key)
+        est, measured = self._compile_cost(key, shapes)
         if per is None:
             return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
         eager = per * steps
@@ -347,29 +354,29 @@ class RunnerCache:
         ledger.pending = threading.Thread(target=work, name="fnebm-compile", daemon=True)
         ledger.pending.start()
 
-    def describe(self, key: Hashable, signature: str | None) -> None:
-        """Runner ``key``'s description, the same in every process (:func:`fnebm._signature.signature` of
-        its step, ``collect`` and shapes): its compile is recorded under it, and a later process that
-        finds it recorded, with its graphs still in Inductor's on-disk cache, expects a cheaper compile."""
+    def describe(self, key: Hashable, shapes: Hashable, signature: str | None) -> None:
+        """Runner ``key``'s description at ``shapes``, the same in every process
+        (:func:`fnebm._signature.signature` of its step, ``collect``, shapes and threads): its compile at
+        those shapes is recorded under it, and a later process that finds it recorded, with its graphs
+        still in Inductor's on-disk cache, expects a cheaper compile."""
         with self._lock:
-            if key not in self._signatures:
-                self._signatures[key] = signature
+            self._signatures.setdefault((key, shapes), signature)
 
-    def described(self, key: Hashable) -> bool:
-        return key in self._signatures
+    def described(self, key: Hashable, shapes: Hashable) -> bool:
+        return (key, shapes) in self._signatures
 
-    def compiled_before(self, key: Hashable) -> bool:
-        """Whether this machine compiled runner ``key`` before (in an earlier process) and Inductor's
-        on-disk cache still holds its graphs; looked up once per runner."""
-        found = self._before.get(key)
+    def compiled_before(self, key: Hashable, shapes: Hashable) -> bool:
+        """Whether this machine compiled runner ``key`` at ``shapes`` before (in an earlier process) and
+        Inductor's on-disk cache still holds its graphs; looked up once per runner and shapes."""
+        found = self._before.get((key, shapes))
         if found is None:
-            signature = self._signatures.get(key)
+            signature = self._signatures.get((key, shapes))
             if signature is None:
                 return False
-            found = self._before[key] = _inductor.compiled_before(signature)
+            found = self._before[(key, shapes)] = _inductor.compiled_before(signature)
         return found
 
-    def _compile_cost(self, key: Hashable) -> tuple[float, str | bool]:
+    def _compile_cost(self, key: Hashable, shapes: Hashable = None) -> tuple[float, str | bool]:
         """What ``auto`` takes a compile to cost, and where that was measured (``"process"``,
         ``"cached"``, ``"machine"``, or ``False`` for the assumed figure): this runner's first
         compiled call where it ran in this process (its graph, maybe from Inductor's on-disk
@@ -382,7 +389,7 @@ class RunnerCache:
             return self.compile_estimate_s, False
         if key in self.compile_s:
             return self.compile_s[key], "process"
-        if self.compiled_before(key):
+        if self.compiled_before(key, shapes):
             cached = _inductor.machine_compile_s("chain-cached")
             return (cached if cached is not None else CACHED_COMPILE_S), "cached"
         longest = max(self.compile_s.values(), default=0.0)
@@ -408,8 +415,9 @@ class RunnerCache:
             # thread's compile meanwhile (a background one) can move the counters, and then it counts as a first
             cached = hits > hits0 and misses == misses0
             _inductor.record_compile_s("chain-cached" if cached else "chain", self.compile_s[key])
-            _inductor.record_graph(self._signatures.get(key), self._graph_keys.get(key, []))
-            self._before.pop(key, None)
+            shapes = self._shapes.get(key)
+            _inductor.record_graph(self._signatures.get((key, shapes)), self._graph_keys.get(key, []))
+            self._before.pop((key, shapes), None)
             return out
 
         return first_timed
@@ -467,6 +475,7 @@ class RunnerCache:
             self._ledgers.clear()
             self.compile_s.clear()
             self._signatures.clear()
+            self._shapes.clear()
             self._graph_keys.clear()
             self._before.clear()
 

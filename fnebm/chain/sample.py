@@ -441,13 +441,14 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
     runner_key = (code_key(step), code_key(collect), pytree.tree_structure(chain.state), n)
     shapes = tuple((x.shape, x.dtype, x.device) for x in leaves)
     ledger = cache.ledger(runner_key, shapes)
-    if compile is not False and not ledger.compiled and not cache.described(runner_key):
+    if compile is not False and cache._measure and not ledger.compiled and not cache.described(runner_key, shapes):
         # what this runner compiles to, described the same in every process: a compile of it is recorded on
         # this machine, and a later process whose Inductor cache still holds it expects a cheaper compile
-        cache.describe(runner_key, _signature.signature("chain", step, collect, str(runner_key[2]), n, shapes))
+        cache.describe(runner_key, shapes, _signature.signature(
+            "chain", step, collect, _signature.stable_text(str(runner_key[2])), n, shapes, torch.get_num_threads()))
     timed = ledger if compile == "auto" and not ledger.compiled and ledger.eager_steps == 0 else None
     # a first step that, slow as it is, keeps this call's steps (and the probe) within a compile's cost
-    budget = cache._compile_cost(runner_key)[0] / (total + 1) if timed is not None else math.inf
+    budget = cache._compile_cost(runner_key, shapes)[0] / (total + 1) if timed is not None else math.inf
     first = []  # the probe's step, when it runs: this call's first step
     probed = cache.probe(runner_key, shapes, lambda: _probe(step, collect, chain, n, timed, budget, first))
     expected = _expected(probed, n_kept)
