@@ -492,16 +492,44 @@ def graph_keys(compiled: Callable) -> list[str]:
     return keys
 
 
+def _graph_cache_on() -> bool:
+    """Whether this process's Inductor keeps its graph cache: its options where Inductor is imported
+    already, else what they start from (the environment). Never imports Inductor (with Dynamo, seconds
+    that an eager run does not otherwise pay)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        return bool(config.fx_graph_cache) and not config.force_disable_caches
+    env = os.environ
+    return env.get("TORCHINDUCTOR_FX_GRAPH_CACHE", "1") != "0" and env.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") != "1"
+
+
+def _inductor_cache_dir() -> str:
+    """Inductor's cache folder as ``torch._inductor.runtime.cache_dir_utils.cache_dir`` names it (the
+    variable, else ``torchinductor_<user>`` in the temporary folder), without creating it or importing
+    Inductor."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if root is not None:
+        return os.path.abspath(root)
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is not None:
+        return os.path.abspath(utils.default_cache_dir())
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
+
+
 def _cached(key: str) -> bool:
     """Whether Inductor's on-disk graph cache (``TORCHINDUCTOR_CACHE_DIR``, or its default folder)
     holds an entry for ``key`` (the folder Inductor writes it to: ``fxgraph/<key[1:3]>/<key>``)."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # pragma: no cover - another torch layout: not known to be there
-        return False
-    try:
-        # Inductor's own cache_dir() would also create the folder and set the variable: only looked at here
-        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+        # only looked at: Inductor's own cache_dir() would also create the folder and set the variable
+        root = _inductor_cache_dir()
         folder = os.path.join(root, "fxgraph", key[1:3], key)
         if not os.path.isdir(folder):
             return False
@@ -540,11 +568,7 @@ def compiled_before(signature: str | None) -> bool:
         return False
     try:
         keys = _read_graphs(_graphs_path()).get(signature)
-        if not keys:
-            return False
-        from torch._inductor import config
-
-        if not config.fx_graph_cache or config.force_disable_caches:
+        if not keys or not _graph_cache_on():
             return False  # the cache is off in this process: a compile here is a first one
         return all(_cached(k) for k in keys)
     except Exception:  # noqa: BLE001 - no cache folder, an unreadable record: not known

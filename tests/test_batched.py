@@ -67,6 +67,29 @@ def test_sampling_a_log_density_written_as_a_function_eagerly_loads_no_compiler_
     assert loaded == "[]", loaded + err
 
 
+def test_an_eager_run_that_finds_its_runner_compiled_before_loads_no_compiler_stack(tmp_path, monkeypatch):
+    # compile="auto" looks its runner up in the record of graphs this machine compiled (fnebm._inductor):
+    # where it is found, the check of Inductor's cache folder and options must not import Inductor (with
+    # Dynamo, about 4 s of a first call that then stays eager)
+    monkeypatch.setenv("FNEBM_CACHE_DIR", str(tmp_path / "fnebm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    code = ("import os, fnebm, torch; from fnebm import energies as E, _inductor\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
+            "alg = fnebm.langevin(E.bind(*E.from_module(net)), 0.1)\n"
+            "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
+            "cache = fnebm.chain.default_cache\n"
+            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, progress=False)\n"
+            "(sig,) = cache._signatures.values()\n"
+            "_inductor.record_graph(sig, ['fabcdef'])\n"
+            "entry = os.path.join(os.environ['TORCHINDUCTOR_CACHE_DIR'], 'fxgraph', 'ab', 'fabcdef')\n"
+            "os.makedirs(entry); open(os.path.join(entry, 'graph'), 'w').close()\n"
+            "cache._before.clear()\n"
+            "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, progress=False)\n"
+            "assert list(cache._before.values()) == [True], cache._before")
+    loaded, err = _heavy_after(code)
+    assert loaded == "[]", loaded + err
+
+
 def test_a_function_gives_torch_funcs_values_and_gradients_and_keeps_a_closures_graph(monkeypatch):
     import pytest
 
