@@ -415,8 +415,9 @@ def _last_per_kind(times: list) -> list:
 
 
 def machine_compile_s(kind: str) -> float | None:
-    """The median of the recorded first compiled calls of ``kind`` (``"chain"`` or ``"energy"``) on this
-    machine, or ``None`` when none is recorded."""
+    """The median of the recorded first compiled calls of ``kind`` on this machine (``"chain"`` or
+    ``"energy"``: first compiles; ``"chain-cached"``, ``"energy-cached"``: compiles served by Inductor's
+    on-disk cache), or ``None`` when none is recorded."""
     with _times_lock:
         times = [t for k, t in _read_times() if k == kind]
     return statistics.median(times) if times else None
@@ -454,7 +455,7 @@ def record_compile_s(kind: str, seconds: float) -> None:
 # the keys of the Inductor graphs they gave: a later process compiling the same finds them in
 # Inductor's on-disk cache (as long as those entries are there), and that compile costs a fraction of
 # a first one (Dynamo's trace, the cache's lookups and the library's load: the eight-schools
-# evaluation's first compiled call took 12-13 s with empty caches and 4.0-4.1 s in the next process
+# evaluation's first compiled call took 10.3-13.3 s with empty caches and 3.1-4.1 s in the next process
 # on this project's 2-core host). compile="auto" then expects that instead of a first compile's time.
 
 _GRAPHS_KEPT = 256

@@ -79,13 +79,13 @@ def test_an_eager_run_that_finds_its_runner_compiled_before_loads_no_compiler_st
             "state = torch.func.vmap(alg.init)(torch.zeros(4, 3))\n"
             "cache = fnebm.chain.default_cache\n"
             "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, progress=False)\n"
-            "(sig,) = cache._signatures.values()\n"
+            "(sig,) = [led.signature for led in cache._ledgers.values()]\n"
             "_inductor.record_graph(sig, ['fabcdef'])\n"
             "entry = os.path.join(os.environ['TORCHINDUCTOR_CACHE_DIR'], 'fxgraph', 'ab', 'fabcdef')\n"
             "os.makedirs(entry); open(os.path.join(entry, 'graph'), 'w').close()\n"
-            "cache._before.clear()\n"
+            "for led in cache._ledgers.values(): led.before = None\n"
             "fnebm.sample_chain(alg.step, state, fnebm.random.key(0), 3, progress=False)\n"
-            "assert list(cache._before.values()) == [True], cache._before")
+            "assert [led.before for led in cache._ledgers.values()] == [True]")
     loaded, err = _heavy_after(code)
     assert loaded == "[]", loaded + err
 

@@ -303,14 +303,14 @@ def test_sample_chain_describes_the_runner_it_may_compile():
     alg = fnebm.langevin(lambda x: 0.5 * (x * x).sum(), 0.1)  # a function of the user's: the torch engine
     state = torch.func.vmap(alg.init)(torch.zeros(3, 2))
     fnebm.sample_chain(alg.step, state, fr.key(0), 5, cache=cache, progress=False)
-    assert not cache._signatures  # an explicit estimate: nothing measured, nothing recorded
+    assert not any(led.described for led in cache._ledgers.values())  # an explicit estimate: nothing recorded
     measured = RunnerCache()  # nothing recorded (tests): 5 steps stay within the assumed 20 s
     fnebm.sample_chain(alg.step, state, fr.key(0), 5, cache=measured, progress=False)
-    (sig,) = measured._signatures.values()
+    (sig,) = [led.signature for led in measured._ledgers.values()]
     assert isinstance(sig, str) and len(sig) == 32
     eager = RunnerCache()
     fnebm.sample_chain(alg.step, state, fr.key(0), 5, cache=eager, compile=False, progress=False)
-    assert not eager._signatures  # compile=False: nothing will compile
+    assert not any(led.described for led in eager._ledgers.values())  # compile=False: nothing will compile
 
 
 def test_no_cache_folder_leaves_the_records_silent(monkeypatch):

@@ -190,7 +190,7 @@ class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
     __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed", "pending", "failure_said",
-                 "graph_failed")
+                 "graph_failed", "described", "signature", "before")
 
     def __init__(self):
         self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
@@ -201,6 +201,9 @@ class _Ledger:
         self.pending = None     # the thread compiling it in the background, while eager steps run
         self.failure_said = False  # a background compile's failure has been warned of
         self.graph_failed = None  # why its eager step could not be captured as a CUDA graph (not tried again)
+        # its description, the same in every process (fnebm._signature; None where there is none), once
+        # described, and whether this machine compiled it in an earlier process (looked up once)
+        self.described, self.signature, self.before = False, None, None
 
     def record(self, seconds: float, steps: int) -> None:
         """``steps`` eager steps took ``seconds``."""
@@ -264,12 +267,10 @@ class RunnerCache:
         # seconds of each runner's first compiled call (compile + one chunk), measured in this
         # process: auto's cost of a compile once one is known (only with the default estimate)
         self.compile_s: dict[Hashable, float] = {}
-        # each runner's description the same in every process (fnebm._signature, given by sample_chain),
-        # the Inductor graphs its compile gave, and whether this machine compiled it before
-        self._signatures: dict[tuple, str | None] = {}  # per (runner, shapes)
+        # the Inductor graphs each runner's compile gave, and the shapes it compiles for (its plan's): its
+        # first compiled call records them under that ledger's description (_timed)
         self._graph_keys: dict[Hashable, list[str]] = {}
-        self._before: dict[tuple, bool] = {}
-        self._shapes: dict[Hashable, Hashable] = {}  # the shapes a runner's compile is for (its plan's)
+        self._shapes: dict[Hashable, Hashable] = {}
 
     def ledger(self, key: Hashable, shapes: Hashable) -> _Ledger:
         """The eager time spent and compile state of one kind of step at one set of shapes."""
@@ -359,22 +360,22 @@ class RunnerCache:
         (:func:`fnebm._signature.signature` of its step, ``collect``, shapes and threads): its compile at
         those shapes is recorded under it, and a later process that finds it recorded, with its graphs
         still in Inductor's on-disk cache, expects a cheaper compile."""
-        with self._lock:
-            self._signatures.setdefault((key, shapes), signature)
+        ledger = self.ledger(key, shapes)
+        if not ledger.described:
+            ledger.described, ledger.signature = True, signature
 
     def described(self, key: Hashable, shapes: Hashable) -> bool:
-        return (key, shapes) in self._signatures
+        return self.ledger(key, shapes).described
 
     def compiled_before(self, key: Hashable, shapes: Hashable) -> bool:
         """Whether this machine compiled runner ``key`` at ``shapes`` before (in an earlier process) and
         Inductor's on-disk cache still holds its graphs; looked up once per runner and shapes."""
-        found = self._before.get((key, shapes))
-        if found is None:
-            signature = self._signatures.get((key, shapes))
-            if signature is None:
-                return False
-            found = self._before[(key, shapes)] = _inductor.compiled_before(signature)
-        return found
+        ledger = self.ledger(key, shapes)
+        if ledger.signature is None:
+            return False
+        if ledger.before is None:
+            ledger.before = _inductor.compiled_before(ledger.signature)
+        return ledger.before
 
     def _compile_cost(self, key: Hashable, shapes: Hashable = None) -> tuple[float, str | bool]:
         """What ``auto`` takes a compile to cost, and where that was measured (``"process"``,
@@ -415,9 +416,10 @@ class RunnerCache:
             # thread's compile meanwhile (a background one) can move the counters, and then it counts as a first
             cached = hits > hits0 and misses == misses0
             _inductor.record_compile_s("chain-cached" if cached else "chain", self.compile_s[key])
-            shapes = self._shapes.get(key)
-            _inductor.record_graph(self._signatures.get((key, shapes)), self._graph_keys.get(key, []))
-            self._before.pop((key, shapes), None)
+            if key in self._shapes:  # planned by sample_chain (not a direct get(): nothing described)
+                ledger = self.ledger(key, self._shapes[key])
+                _inductor.record_graph(ledger.signature, self._graph_keys.get(key, []))
+                ledger.before = None
             return out
 
         return first_timed
@@ -474,10 +476,8 @@ class RunnerCache:
             self._probes.clear()
             self._ledgers.clear()
             self.compile_s.clear()
-            self._signatures.clear()
             self._shapes.clear()
             self._graph_keys.clear()
-            self._before.clear()
 
 
 default_cache = RunnerCache()
