@@ -252,8 +252,11 @@ def test_auto_compiles_when_a_compile_costs_less():
     auto = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, **kw)
     compiled = counter.frame_count
     assert compiled >= 1 and plans[0].compiled and plans[0].compiles
+    (ledger,) = cache._ledgers.values()
+    assert ledger.compiled_chunks == 0  # the chunk that compiled is not a compiled rate
     again = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, **kw)
     assert counter.frame_count == compiled  # reused: no new compile
+    assert ledger.compiled_chunks == 1 and ledger.best_compiled_s > 0  # this one is
     assert plans[1].compiled and not plans[1].compiles and "earlier" in plans[1].reason
     eager = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, compile=False, progress=False)
     torch.testing.assert_close(auto[1], eager[1])

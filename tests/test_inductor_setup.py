@@ -323,4 +323,78 @@ def test_no_cache_folder_leaves_the_records_silent(monkeypatch):
     monkeypatch.setattr(_inductor, "_times", None)
     _inductor.record_graph("sig", ["fkey"])
     _inductor.record_compile_s("chain", 3.0)
+    _inductor.record_gain("sig", 0.5)
     assert not _inductor.compiled_before("sig") and _inductor.machine_compile_s("chain") is None
+    assert _inductor.recorded_gain("sig") is None
+
+
+def test_what_compiling_bought_is_recorded_per_description(record):
+    assert _inductor.recorded_gain("sig") is None and _inductor.recorded_gain(None) is None
+    _inductor.record_gain("sig", 0.5)
+    _inductor.record_gain("sig", 0.75)  # a later measurement replaces it
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        _inductor.record_gain("other", bad)  # not a ratio: not recorded
+    _inductor.record_gain(None, 0.5)
+    assert _inductor.recorded_gain("sig") == 0.75 and _inductor.recorded_gain("other") is None
+    for i in range(_inductor._GAINS_KEPT + 3):  # the most recent descriptions are kept
+        _inductor.record_gain(f"s{i}", 1.5)
+    kept = json.loads(_inductor._gains_path().read_text())
+    assert len(kept) == _inductor._GAINS_KEPT and "sig" not in kept
+    _inductor._gains_path().write_text('{"s300": "fast", "s301": true}')  # damaged entries are no record
+    assert _inductor.recorded_gain("s300") is None and _inductor.recorded_gain("s301") is None
+
+
+def _timed_ledger(cache, key="kind", signature="sig"):
+    cache.describe(key, "shapes", signature)
+    ledger = cache.ledger(key, "shapes")
+    ledger.record(1.0, 10)  # 0.1 s an eager step
+    return ledger
+
+
+def test_auto_weighs_a_compile_against_what_it_saves(record):
+    # a compile costs 10 s here; 0.1 s an eager step, 1 s of them spent
+    _inductor.record_compile_s("chain", 10.0)
+    cache = RunnerCache()
+    _timed_ledger(cache)
+    assert cache.gain("kind", "shapes") == (None, "")
+    with pytest.warns(UserWarning, match="compiles this sampler now"):
+        plan = cache.plan("kind", "shapes", 100, "auto")  # 1 + 10 s > 10 s, what it buys unknown: the old rule
+    assert plan.compiled and plan.gain is None
+    # with the gain recorded by an earlier process, the rent is (1 + 0.1 x steps) x (1 - gain), against 10 s
+    for gain, steps, compiles in ((0.95, 100, False), (0.5, 100, False), (0.5, 300, True), (0.1, 100, False), (0.1, 200, True),
+                                  (1.2, 10**6, False)):
+        _inductor.record_gain("sig", gain)
+        cache = RunnerCache()
+        _timed_ledger(cache)
+        assert cache.gain("kind", "shapes") == (gain, "recorded on this machine")
+        if compiles:
+            with pytest.warns(UserWarning, match=f"ran {gain:.3g}x the eager steps' time"):
+                plan = cache.plan("kind", "shapes", steps, "auto")
+        else:
+            plan = cache.plan("kind", "shapes", steps, "auto")
+            assert f"ran {gain:.3g}x the eager steps' time (recorded on this machine)" in plan.reason
+        assert plan.compiled == compiles and plan.gain == gain, (gain, steps, plan)
+        assert cache.plan("kind", "shapes", steps, True).compiled  # compile=True is obeyed whatever the gain
+    other = RunnerCache()
+    _timed_ledger(other, signature="another runner")
+    assert other.gain("kind", "shapes") == (None, "")  # recorded for another description only
+
+
+def test_a_compiled_runner_measured_no_faster_runs_eagerly_again(record):
+    from fnebm.chain import runner
+
+    cache = RunnerCache()
+    ledger = _timed_ledger(cache, signature="sig2")
+    ledger.compiled = True  # compiled earlier in this process
+    ledger.record_compiled(1.5, 10)
+    assert ledger.measured_gain() is None and runner.GAIN_CHUNKS == 2  # one timed chunk is not enough
+    assert cache.plan("kind", "shapes", 10, "auto").compiled
+    ledger.record_compiled(1.2, 10)  # the best of two: 0.12 s a step against 0.1 eagerly
+    assert ledger.measured_gain() == pytest.approx(1.2)
+    plan = cache.plan("kind", "shapes", 10, "auto")
+    assert not plan.compiled and "no faster" in plan.reason and plan.gain == pytest.approx(1.2)
+    assert cache.plan("kind", "shapes", 10, True).compiled
+    assert _inductor.recorded_gain("sig2") == pytest.approx(1.2)  # kept for later processes
+    ledger.record_compiled(0.3, 10)  # a faster chunk moves it by more than 5 %: written again
+    assert _inductor.recorded_gain("sig2") == pytest.approx(0.3)
+    assert cache.plan("kind", "shapes", 10, "auto").compiled

@@ -277,6 +277,7 @@ class TorchEngine:
         ts = self.start + torch.arange(a, b, device=self.device)
         thinned = False  # the outputs hold only the kept steps (the eager runner keeps no others)
         reused = int(self.first is not None and not self.plan.compiled)  # a step the probe ran: not timed here
+        compiled_before = self.ledger.compiled  # this chunk's compiled call does not compile: its rate is timed
         if self.plan.compiled:
             if b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
@@ -298,6 +299,9 @@ class TorchEngine:
         if not self.plan.compiled and self.record and b - a > reused:
             sync(self.device)
             self.ledger.record(time.perf_counter() - t0, b - a - reused)
+        elif self.plan.compiled and compiled_before and self.record and b > a:
+            sync(self.device)
+            self.ledger.record_compiled(time.perf_counter() - t0, b - a)
         if kept is None:
             return
         outs = pytree.tree_leaves((out, info))

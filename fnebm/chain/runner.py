@@ -43,6 +43,8 @@ inductor_backend = _inductor.inductor_backend
 # runners of bench/user.py's 784-D MLP and ConvNet took 17.7 and 19.7 s to compile with empty caches, and
 # 6.2 and 5.2 s in the next process
 CACHED_COMPILE_S = 6.0
+# compiled chunks timed (each after the compile) before their best rate is taken for what compiling buys
+GAIN_CHUNKS = 2
 
 _IDS = itertools.count()
 
@@ -168,7 +170,10 @@ class RunPlan(NamedTuple):
     during the call, and the steps from the chunk that was compiling on run eagerly, or a compile
     that ran in the background finished and the rest of the call runs compiled; background: a
     compile of this kind of step and shapes runs in a background thread (``compile="auto"``,
-    :class:`RunnerCache`'s ``background``), and these steps run eagerly meanwhile.
+    :class:`RunnerCache`'s ``background``), and these steps run eagerly meanwhile; gain: the compiled
+    runner's seconds per step over the eager steps' where ``auto`` knows it (measured in this process,
+    else recorded on this machine for the same runner and shapes; ``None`` otherwise), which ``auto``
+    weighs a compile against (:meth:`RunnerCache.plan`).
     """
 
     compiled: bool
@@ -184,13 +189,15 @@ class RunPlan(NamedTuple):
     engine: str = ""  # what runs the steps: "compiled", "eager", "c" or "triton" (sample_chain fills it in)
     skipped: tuple = ()  # the fast paths backend="auto" passed over: fnebm.kernels.dispatch.Skipped values
     transition: str = ""  # the engine of a transition kernel inside the steps ("c": NUTS's C kernel), or ""
+    gain: float | None = None  # compiled seconds per step over eager ones, where auto knows it (measured here or recorded)
 
 
 class _Ledger:
     """What ``auto`` knows of one kind of step at one set of shapes."""
 
     __slots__ = ("eager_s", "eager_steps", "best_step_s", "compiled", "failed", "pending", "failure_said",
-                 "graph_failed", "described", "signature", "before")
+                 "graph_failed", "described", "signature", "before", "best_compiled_s", "compiled_chunks",
+                 "recorded_gain", "gain_written")
 
     def __init__(self):
         self.eager_s = 0.0      # seconds spent running this eagerly (the probe steps included)
@@ -204,6 +211,12 @@ class _Ledger:
         # its description, the same in every process (fnebm._signature; None where there is none), once
         # described, and whether this machine compiled it in an earlier process (looked up once)
         self.described, self.signature, self.before = False, None, None
+        # the compiled runner's fastest rate in this process (chunks after the one that compiled) and how
+        # many chunks were timed; the gain this machine recorded for it (False: not looked up yet); and
+        # the gain last written to that record
+        self.best_compiled_s, self.compiled_chunks = None, 0
+        self.recorded_gain: float | None | bool = False
+        self.gain_written: float | None = None
 
     def record(self, seconds: float, steps: int) -> None:
         """``steps`` eager steps took ``seconds``."""
@@ -211,9 +224,35 @@ class _Ledger:
         self.eager_steps += steps
         rate = seconds / steps
         self.best_step_s = rate if self.best_step_s is None else min(self.best_step_s, rate)
+        self._write_gain()
+
+    def record_compiled(self, seconds: float, steps: int) -> None:
+        """``steps`` steps of the compiled runner took ``seconds`` (a chunk without a compile in it)."""
+        rate = seconds / steps
+        self.best_compiled_s = rate if self.best_compiled_s is None else min(self.best_compiled_s, rate)
+        self.compiled_chunks += 1
+        self._write_gain()
 
     def step_s(self) -> float | None:
         return self.best_step_s
+
+    def measured_gain(self) -> float | None:
+        """The compiled runner's seconds per step over the eager steps', both the fastest measured in
+        this process (a busy machine only ever slows a step), once :data:`GAIN_CHUNKS` compiled chunks
+        were timed; else ``None``."""
+        if self.best_compiled_s is None or self.best_step_s is None or self.compiled_chunks < GAIN_CHUNKS:
+            return None
+        return self.best_compiled_s / self.best_step_s
+
+    def _write_gain(self) -> None:
+        """Keep the measured gain in this machine's record (``fnebm._inductor.record_gain``), under the
+        runner's description, when it is new or moved by more than 5 %."""
+        gain = self.measured_gain()
+        if gain is None or self.signature is None:
+            return
+        if self.gain_written is None or abs(gain - self.gain_written) > 0.05 * self.gain_written:
+            self.gain_written = gain
+            _inductor.record_gain(self.signature, gain)
 
 
 class RunnerCache:
@@ -289,7 +328,13 @@ class RunnerCache:
         eager step x steps), stays within ``compile_estimate_s``, and compiles once it would
         not. A sequence of calls then costs at most about twice what the better choice made
         in hindsight would have; a long run compiles at once, a short one never waits for a
-        compile.
+        compile. Where it knows what compiling buys (:meth:`gain`: the compiled steps' time over the
+        eager steps', measured in this process or recorded on this machine for the same runner and
+        shapes), the rent is what the eager steps cost beyond compiled ones: it compiles once the
+        eager time spent and this call's, times ``1 - gain``, would pass the compile's cost, and never
+        where compiled steps ran no faster (a runner compiled earlier in this process then runs
+        eagerly again). A 2-D MLP's Langevin steps compiled ran 0.95x their eager time here: its
+        first process compiles once (10-13 s), and later ones keep the eager steps.
         """
         plan = self._plan(key, shapes, steps, compile)
         if plan.compiled or plan.background:
@@ -305,25 +350,59 @@ class RunnerCache:
             return RunPlan(False, False, f"eager: the compile failed earlier in this process ({ledger.failed})",
                            per, est, steps, fallback=ledger.failed)
         if ledger.compiled:
-            return RunPlan(True, False, "compiled earlier in this process", per, est, steps)
+            gain = ledger.measured_gain() if compile == "auto" and self._measure else None
+            if gain is not None and gain >= 1.0:
+                return RunPlan(False, False, f"eager: the steps compiled earlier in this process ran {gain:.3g}x the "
+                                             "eager steps' time (measured here), no faster", per, est, steps, gain=gain)
+            return RunPlan(True, False, "compiled earlier in this process", per, est, steps, gain=gain)
         if ledger.pending is not None and compile == "auto":
             return RunPlan(False, False, "eager: the compile started earlier is still running in the background",
                            per, est, steps, background=True)
         if compile is True:
             return RunPlan(True, True, "compile=True", per, est, steps)
         est, measured = self._compile_cost(key, shapes)
+        gain, where = self.gain(key, shapes)
+        if gain is not None and gain >= 1.0:
+            return RunPlan(False, False, f"eager: its compiled steps ran {gain:.3g}x the eager steps' time ({where}), "
+                                         "no faster", per, est, steps, gain=gain)
         if per is None:
-            return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps), measured)
+            return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps, gain=gain), measured)
         eager = per * steps
         cost = {"process": "a compile took here", "machine": "compiles took on this machine (the median recorded)",
                 "cached": "a compile of a graph this machine compiled before (in Inductor's on-disk cache) is expected to take"}.get(
             measured, "a compile is taken to cost")
-        if ledger.eager_s + eager <= est:
-            return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
-                                         f"the {est:.3g} s {cost}", per, est, steps)
-        return self._buy(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
-                                             f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
-                         measured)
+        if gain is None:
+            if ledger.eager_s + eager <= est:
+                return RunPlan(False, False, f"eager: {steps} steps x {per * 1e3:.3g} ms = {eager:.3g} s, within "
+                                             f"the {est:.3g} s {cost}", per, est, steps)
+            return self._buy(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
+                                                 f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
+                             measured)
+        # the rent is what the eager steps cost beyond compiled ones: a compile is bought once that passes its price
+        saved = (ledger.eager_s + eager) * (1.0 - gain)
+        known = (f"its compiled steps ran {gain:.3g}x the eager steps' time ({where}), so compiling would save "
+                 f"{saved:.3g} s of this call's {eager:.3g} s and the {ledger.eager_s:.3g} s spent eagerly so far")
+        if saved <= est:
+            return RunPlan(False, False, f"eager: {known}, within the {est:.3g} s {cost}", per, est, steps, gain=gain)
+        return self._buy(RunPlan(True, True, f"compiled: {known}, more than the {est:.3g} s {cost}", per, est, steps,
+                                 gain=gain), measured)
+
+    def gain(self, key: Hashable, shapes: Hashable) -> tuple[float | None, str]:
+        """What compiling buys runner ``key`` at ``shapes`` under ``auto``: its compiled seconds per step
+        over the eager steps', measured in this process (:meth:`_Ledger.measured_gain`), else recorded on
+        this machine for the same description (:func:`fnebm._inductor.recorded_gain`, looked up once), and
+        where it was measured; ``(None, "")`` when unknown, or when the cost model is not the default's."""
+        if not self._measure:
+            return None, ""
+        ledger = self.ledger(key, shapes)
+        gain = ledger.measured_gain()
+        if gain is not None:
+            return gain, "measured in this process"
+        if ledger.recorded_gain is False:
+            ledger.recorded_gain = _inductor.recorded_gain(ledger.signature) if ledger.signature is not None else None
+        if ledger.recorded_gain is None:
+            return None, ""
+        return ledger.recorded_gain, "recorded on this machine"
 
     def _buy(self, plan: RunPlan, measured: str | bool) -> RunPlan:
         """``auto`` decided to compile: in the background (eager steps meanwhile) or now, announced."""
