@@ -234,16 +234,18 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
+@pytest.mark.parametrize("width", [2000, 2, 15, 16])  # short rows (under 16) take the C helper's flat loop
+def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype, width):
     from fnebm import _one_thread
     from fnebm.samplers.base import all_finite
 
     g = torch.Generator().manual_seed(3)
-    e, a, b = torch.randn(6, 4, generator=g, dtype=dtype), torch.randn(6, 4, 2000, generator=g, dtype=dtype), \
-        torch.randn(6, 4, 2000, generator=g, dtype=dtype)
-    a[1, 2, 7], a[5, 0, 49], b[0, 0, 0], b[3, 3, 20], e[2, 1] = math.nan, math.inf, -math.inf, math.nan, math.inf
+    e, a, b = torch.randn(6, 4, generator=g, dtype=dtype), torch.randn(6, 4, width, generator=g, dtype=dtype), \
+        torch.randn(6, 4, width, generator=g, dtype=dtype)
+    a[1, 2, 1], a[5, 0, width - 1], b[0, 0, 0], b[3, 3, width // 2], e[2, 1] = math.nan, math.inf, -math.inf, math.nan, math.inf
+    b[4, 1, width - 1] = torch.finfo(dtype).max  # huge but finite
     want = torch.isfinite(e) & torch.isfinite(a).all(-1) & torch.isfinite(b).all(-1)
-    assert int(want.sum()) == 19 and a[0].numel() * 6 >= 32768  # large enough for the C rows
+    assert int(want.sum()) == 19
     for c in (True, False):
         _one_thread._C = c
         try:
@@ -262,8 +264,10 @@ def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype):
     from fnebm import random as fr
 
     ok = np.ones(6 * 4, dtype=np.bool_)
-    assert _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 2000)) and ok.sum() == 22
-    assert not _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, 2000)[:, ::2])  # not contiguous: NumPy's turn
+    assert _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, width)) and ok.sum() == 22
+    assert not _one_thread.rows_finite(fr._c_library(), ok, a.numpy().reshape(24, width)[:, ::2])  # not contiguous: NumPy's turn
+    ok[3] = False  # a row flagged already stays flagged
+    assert _one_thread.rows_finite(fr._c_library(), ok, b.numpy().reshape(24, width)) and not ok[3] and ok.sum() == 19
 
 
 def test_the_one_thread_path_steps_aside_wherever_torch_must_see_the_operations():

@@ -240,6 +240,19 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
         }                                                                                                     \
     }                                                                                                         \
     void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
+        if (n < 16) { /* short rows (a 2-D position): one flat pass, no vector loop set up per row */         \
+            for (int64_t r = 0; r < n_rows; r++) {                                                            \
+                const T *xr = x + r * n;                                                                      \
+                UINT bad = 0;                                                                                 \
+                for (int64_t i = 0; i < n; i++) {                                                             \
+                    UINT u;                                                                                   \
+                    memcpy(&u, &xr[i], sizeof u);                                                             \
+                    bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                \
+                }                                                                                             \
+                finite[r] &= (unsigned char)!bad;                                                             \
+            }                                                                                                 \
+            return;                                                                                           \
+        }                                                                                                     \
         for (int64_t r = 0; r < n_rows; r++) {                                                                \
             if (!finite[r])                                                                                   \
                 continue;                                                                                     \
