@@ -3,7 +3,9 @@ call of a loop costs beside the plain PyTorch loop, in a first process (nothing 
 once its eager time passes a compile's cost) and in a second one that reads what the first measured
 (the compiled steps' time over the eager steps', RunnerCache.gain), on the same caches.
 
-    python bench/auto_gain.py [--calls 8] [--workload mlp2d] [--json bench/results-auto-gain.json]
+    python bench/auto_gain.py [--calls 8] [--workload mlp2d] [--tree PATH] [--json bench/results-auto-gain.json]
+
+``--tree``: the checkout whose fnebm runs (default this one), e.g. a worktree of an earlier commit.
 
 Each process alternates fnebm and the plain loop call by call (A B A B) and reports each pair's
 ratio and fnebm's plan (eager or compiled, and why). Both processes use one fresh cache folder
@@ -44,14 +46,14 @@ def worker(workload: str, calls: int) -> dict:
 
     plain = user.make_plain(net, x0, steps)
     warnings.simplefilter("ignore")  # the CompileNotice: the plan says it
-    out = {"fnebm": [], "plain": [], "plans": []}
+    out = {"fnebm": [], "plain": [], "plans": [], "fnebm_file": fnebm.__file__}
     for _ in range(calls):
         for name, run in (("fnebm", run_fnebm), ("plain", plain)):
             t = time.perf_counter()
             run()
             out[name].append(time.perf_counter() - t)
         p = plans[-1]
-        out["plans"].append({"engine": p.engine, "gain": p.gain, "reason": p.reason})
+        out["plans"].append({"engine": p.engine, "gain": getattr(p, "gain", None), "reason": p.reason})
     return out
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--workload", default="mlp2d")
     ap.add_argument("--json", default=os.path.join(HERE, "results-auto-gain.json"))
+    ap.add_argument("--tree", default=os.path.dirname(HERE))
     ap.add_argument("--worker", action="store_true")
     a = ap.parse_args()
     if a.worker:
@@ -67,8 +70,8 @@ def main() -> None:
         return
     cache = tempfile.mkdtemp(prefix="fnebm-auto-gain-")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-               FNEBM_CACHE_DIR=os.path.join(cache, "fnebm"))
-    results = {"workload": a.workload, "loadavg_start": os.getloadavg(), "processes": []}
+               FNEBM_CACHE_DIR=os.path.join(cache, "fnebm"), PYTHONPATH=os.path.abspath(a.tree))
+    results = {"workload": a.workload, "tree": os.path.abspath(a.tree), "loadavg_start": os.getloadavg(), "processes": []}
     try:
         for process in ("first", "second"):
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(a.calls),

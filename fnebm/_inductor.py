@@ -580,9 +580,10 @@ def compiled_before(signature: str | None) -> bool:
 # ----------------------------------------------------------------------------- what compiling bought
 # How much faster the compiled code of what a signature describes ran than its eager steps on this
 # machine: the ratio of the two best measured rates (compiled seconds per step / eager seconds per
-# step). compile="auto" weighs a compile against what it saves, not against the whole eager time:
-# a 2-D MLP's Langevin runner compiled (10-13 s) ran 0.95x its eager steps here, and without the
-# ratio every new process compiled it again after a couple of calls.
+# step). compile="auto" weighs a compile against what it saves, not against the whole eager time
+# (bench/user.py's 2-D MLP Langevin runner: 0.60-0.68 on this project's 2-core host, so a later
+# process rents for 1 / 0.4 of the eager time it rented for before; a runner whose compiled steps
+# buy nothing is not compiled again in every new process).
 
 _GAINS_KEPT = 256
 

@@ -333,8 +333,8 @@ class RunnerCache:
         shapes), the rent is what the eager steps cost beyond compiled ones: it compiles once the
         eager time spent and this call's, times ``1 - gain``, would pass the compile's cost, and never
         where compiled steps ran no faster (a runner compiled earlier in this process then runs
-        eagerly again). A 2-D MLP's Langevin steps compiled ran 0.95x their eager time here: its
-        first process compiles once (10-13 s), and later ones keep the eager steps.
+        eagerly again): a runner whose compile buys little is not compiled again after a call or
+        two in every new process.
         """
         plan = self._plan(key, shapes, steps, compile)
         if plan.compiled or plan.background:
