@@ -462,20 +462,48 @@ def record_compile_s(kind: str, seconds: float) -> None:
 _GRAPHS_KEPT = 256
 
 
-def _graphs_path():
+def _record_path(stem: str):
+    """``<stem>-<torch version>.json`` beside the compile times (``None`` where there is no cache folder)."""
     times = _times_path()
-    return None if times is None else times.with_name(f"compiled-graphs-{torch.__version__.replace('+', '-')}.json")
+    return None if times is None else times.with_name(f"{stem}-{torch.__version__.replace('+', '-')}.json")
 
 
-def _read_graphs(path) -> dict:
+def _read_record(path, valid: Callable[[object], bool]) -> dict:
+    """A record of ``{description: value}`` at ``path``, the entries whose value is ``valid``; ``{}`` where
+    there is none or it is damaged."""
     try:
         found = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except Exception:  # noqa: BLE001 - a damaged or foreign file: no record
         return {}
     if not isinstance(found, dict):
         return {}
-    return {k: v for k, v in found.items()
-            if isinstance(k, str) and isinstance(v, list) and v and all(isinstance(x, str) for x in v)}
+    return {k: v for k, v in found.items() if isinstance(k, str) and valid(v)}
+
+
+def _put_record(path, valid: Callable[[object], bool], key: str, value: object, kept: int) -> None:
+    """Set ``key`` to ``value`` in the record at ``path`` (the most recent ``kept`` keys kept): under a lock
+    file, read again and written whole to a temporary file renamed over it. Raises what the file system raises."""
+    with _file_lock(path):
+        entries = _read_record(path, valid)
+        entries.pop(key, None)
+        entries[key] = value
+        while len(entries) > kept:
+            entries.pop(next(iter(entries)))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
+
+
+def _graphs_path():
+    return _record_path("compiled-graphs")
+
+
+def _graph_list(v: object) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+
+
+def _read_graphs(path) -> dict:
+    return _read_record(path, _graph_list)
 
 
 def graph_keys(compiled: Callable) -> list[str]:
@@ -548,17 +576,8 @@ def record_graph(signature: str | None, keys: list[str]) -> None:
         return
     try:
         path = _graphs_path()
-        if path is None:
-            return
-        with _file_lock(path):
-            graphs = _read_graphs(path)
-            graphs.pop(signature, None)
-            graphs[signature] = list(keys)
-            while len(graphs) > _GRAPHS_KEPT:
-                graphs.pop(next(iter(graphs)))
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(graphs))
-            os.replace(tmp, path)
+        if path is not None:
+            _put_record(path, _graph_list, signature, list(keys), _GRAPHS_KEPT)
     except Exception:  # noqa: BLE001 - no cache folder, or one this process cannot write: nothing recorded
         return
 
@@ -589,40 +608,27 @@ _GAINS_KEPT = 256
 
 
 def _gains_path():
-    times = _times_path()
-    return None if times is None else times.with_name(f"compiled-gains-{torch.__version__.replace('+', '-')}.json")
+    return _record_path("compiled-gains")
+
+
+def _ratio(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _read_gains(path) -> dict:
-    try:
-        found = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    except Exception:  # noqa: BLE001 - a damaged or foreign file: no record
-        return {}
-    if not isinstance(found, dict):
-        return {}
-    return {k: float(v) for k, v in found.items()
-            if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
+    return {k: float(v) for k, v in _read_record(path, _ratio).items()}
 
 
 def record_gain(signature: str | None, ratio: float) -> None:
     """Note that the compiled code of what ``signature`` describes ran ``ratio`` times the eager steps'
     time per step on this machine (the last :data:`_GAINS_KEPT` signatures kept, beside the compile
     times; the latest measurement replaces an earlier one)."""
-    if not signature or not (isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0):
+    if not signature or not (isinstance(ratio, float) and _ratio(ratio)):
         return
     try:
         path = _gains_path()
-        if path is None:
-            return
-        with _file_lock(path):
-            gains = _read_gains(path)
-            gains.pop(signature, None)
-            gains[signature] = round(ratio, 4)
-            while len(gains) > _GAINS_KEPT:
-                gains.pop(next(iter(gains)))
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(gains))
-            os.replace(tmp, path)
+        if path is not None:
+            _put_record(path, _ratio, signature, float(f"{ratio:.4g}"), _GAINS_KEPT)
     except Exception:  # noqa: BLE001 - no cache folder, or one this process cannot write: nothing recorded
         return
 
