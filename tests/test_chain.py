@@ -244,7 +244,11 @@ def _walk(x, keys):  # a cheap step to compile: a Gaussian random walk
     return x + 0.1 * fr.normal(keys, (1,), x.dtype), x[..., 0]
 
 
-def test_auto_compiles_when_a_compile_costs_less():
+def test_auto_compiles_when_a_compile_costs_less(monkeypatch):
+    from fnebm import _inductor
+
+    written = []
+    monkeypatch.setattr(_inductor, "record_gain", lambda *a: written.append(a))
     counter, cache = _counting_cache(estimate=0.0)  # any eager run costs more than a free compile
     plans = []
     x0 = torch.zeros(8, 1)
@@ -257,6 +261,7 @@ def test_auto_compiles_when_a_compile_costs_less():
     again = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, **kw)
     assert counter.frame_count == compiled  # reused: no new compile
     assert ledger.compiled_chunks == 1 and ledger.best_compiled_s > 0  # this one is
+    assert written == [] and ledger.signature is None  # another backend's runner is not described: nothing recorded
     assert plans[1].compiled and not plans[1].compiles and "earlier" in plans[1].reason
     eager = fnebm.sample_chain(_walk, x0, fr.key(3), 5, collect=_itself, compile=False, progress=False)
     torch.testing.assert_close(auto[1], eager[1])

@@ -361,8 +361,9 @@ def test_auto_weighs_a_compile_against_what_it_saves(record):
         plan = cache.plan("kind", "shapes", 100, "auto")  # 1 + 10 s > 10 s, what it buys unknown: the old rule
     assert plan.compiled and plan.gain is None
     # with the gain recorded by an earlier process, the rent is (1 + 0.1 x steps) x (1 - gain), against 10 s
+    # (at least a tenth of it: a gain at or above 1 rents for ten times a compile's cost, then measures again)
     for gain, steps, compiles in ((0.95, 100, False), (0.5, 100, False), (0.5, 300, True), (0.1, 100, False), (0.1, 200, True),
-                                  (1.2, 10**6, False)):
+                                  (1.2, 50, False), (1.2, 1000, True)):
         _inductor.record_gain("sig", gain)
         cache = RunnerCache()
         _timed_ledger(cache)
@@ -386,10 +387,11 @@ def test_a_compiled_runner_measured_no_faster_runs_eagerly_again(record):
     cache = RunnerCache()
     ledger = _timed_ledger(cache, signature="sig2")
     ledger.compiled = True  # compiled earlier in this process
-    ledger.record_compiled(1.5, 10)
-    assert ledger.measured_gain() is None and runner.GAIN_CHUNKS == 2  # one timed chunk is not enough
+    for _ in range(runner.GAIN_CHUNKS - 1):
+        ledger.record_compiled(1.5, 10)
+    assert ledger.measured_gain() is None  # too few timed chunks
     assert cache.plan("kind", "shapes", 10, "auto").compiled
-    ledger.record_compiled(1.2, 10)  # the best of two: 0.12 s a step against 0.1 eagerly
+    ledger.record_compiled(1.2, 10)  # the best of them: 0.12 s a step against 0.1 eagerly
     assert ledger.measured_gain() == pytest.approx(1.2)
     plan = cache.plan("kind", "shapes", 10, "auto")
     assert not plan.compiled and "no faster" in plan.reason and plan.gain == pytest.approx(1.2)
@@ -398,3 +400,25 @@ def test_a_compiled_runner_measured_no_faster_runs_eagerly_again(record):
     ledger.record_compiled(0.3, 10)  # a faster chunk moves it by more than 5 %: written again
     assert _inductor.recorded_gain("sig2") == pytest.approx(0.3)
     assert cache.plan("kind", "shapes", 10, "auto").compiled
+
+
+def test_sample_chain_looks_up_what_compiling_bought_its_runner(monkeypatch):
+    # end to end: the runner's own description finds the recorded gain, and the plan weighs the compile with it
+    import fnebm
+    from fnebm import random as fr
+    from fnebm.chain import runner
+
+    looked_up = []
+    monkeypatch.setattr(_inductor, "recorded_gain", lambda sig: looked_up.append(sig) or 1.2)
+    monkeypatch.setattr(runner._Ledger, "step_s", lambda self: 0.01)  # 10 ms an eager step, whatever the machine
+    cache = RunnerCache()
+    monkeypatch.setattr(cache, "_compile_cost", lambda key, shapes=None: (1.0, "machine"))
+    alg = fnebm.langevin(lambda x: 0.5 * (x * x).sum(), 0.1)
+    state = torch.func.vmap(alg.init)(torch.zeros(3, 2))
+    plans = []
+    # 200 steps x 10 ms = 2 s > the 1 s a compile costs: without the gain it would compile; with it the rent is
+    # a tenth of that, 0.2 s
+    fnebm.sample_chain(alg.step, state, fr.key(0), 200, cache=cache, progress=False, on_plan=plans.append)
+    (sig,) = [led.signature for led in cache._ledgers.values()]
+    assert looked_up == [sig] and plans[0].gain == 1.2 and not plans[0].compiled and len(cache) == 0
+    assert "recorded on this machine" in plans[0].reason

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from fnebm import _checks, _loop
 from fnebm import random as fr
-from fnebm.chain.runner import RunPlan, describe_failure
+from fnebm.chain.runner import GAIN_TIMED, RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
 from fnebm.kernels import dispatch
 from fnebm.samplers.base import step_fields
@@ -46,6 +46,13 @@ _SCRATCH_BYTES = 8 * 2**20
 
 # Events up to this many elements are stored chain-innermost while a one-axis batch runs.
 _CHAINS_LAST_MAX_EVENT = 64
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo compiled so far in this process (its counter; Dynamo is loaded where a runner is compiled)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _chains_last(state: Any) -> Any:
@@ -277,7 +284,11 @@ class TorchEngine:
         ts = self.start + torch.arange(a, b, device=self.device)
         thinned = False  # the outputs hold only the kept steps (the eager runner keeps no others)
         reused = int(self.first is not None and not self.plan.compiled)  # a step the probe ran: not timed here
-        compiled_before = self.ledger.compiled  # this chunk's compiled call does not compile: its rate is timed
+        # a compiled call of a runner compiled before is timed (its first few chunks: GAIN_TIMED), unless Dynamo
+        # compiled a graph during it after all (a recompile): what compiling buys (RunnerCache.gain)
+        timed = (self.plan.compiled and self.ledger.compiled and self.record
+                 and self.ledger.compiled_chunks < GAIN_TIMED and b > a)
+        graphs = _graphs_compiled() if timed else None
         if self.plan.compiled:
             if b - a >= 2:  # one graph for every chunk length (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(ts, 0)
@@ -299,7 +310,7 @@ class TorchEngine:
         if not self.plan.compiled and self.record and b - a > reused:
             sync(self.device)
             self.ledger.record(time.perf_counter() - t0, b - a - reused)
-        elif self.plan.compiled and compiled_before and self.record and b > a:
+        elif timed and self.plan.compiled and _graphs_compiled() == graphs:
             sync(self.device)
             self.ledger.record_compiled(time.perf_counter() - t0, b - a)
         if kept is None:

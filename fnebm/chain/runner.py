@@ -43,8 +43,14 @@ inductor_backend = _inductor.inductor_backend
 # runners of bench/user.py's 784-D MLP and ConvNet took 17.7 and 19.7 s to compile with empty caches, and
 # 6.2 and 5.2 s in the next process
 CACHED_COMPILE_S = 6.0
-# compiled chunks timed (each after the compile) before their best rate is taken for what compiling buys
-GAIN_CHUNKS = 2
+# compiled chunks timed (each after the compile) before their best rate is taken for what compiling buys,
+# and at most (a timed chunk ends in a device sync: on a GPU, the first chunks of a runner only)
+GAIN_CHUNKS = 3
+GAIN_TIMED = 8
+# the least share of the eager time auto counts as rent where a gain is known: a gain measured at or above
+# 1 (compiled steps no faster) still compiles after ten times a compile's cost of eager time, so a reading
+# that one noisy chunk made too high is measured again, and the rule keeps a bound
+MIN_SAVING = 0.1
 
 _IDS = itertools.count()
 
@@ -173,7 +179,8 @@ class RunPlan(NamedTuple):
     :class:`RunnerCache`'s ``background``), and these steps run eagerly meanwhile; gain: the compiled
     runner's seconds per step over the eager steps' where ``auto`` knows it (measured in this process,
     else recorded on this machine for the same runner and shapes; ``None`` otherwise), which ``auto``
-    weighs a compile against (:meth:`RunnerCache.plan`).
+    weighs a compile against (:meth:`RunnerCache.plan`; for a runner compiled earlier in this process,
+    only what was measured in it).
     """
 
     compiled: bool
@@ -240,7 +247,7 @@ class _Ledger:
         """The compiled runner's seconds per step over the eager steps', both the fastest measured in
         this process (a busy machine only ever slows a step), once :data:`GAIN_CHUNKS` compiled chunks
         were timed; else ``None``."""
-        if self.best_compiled_s is None or self.best_step_s is None or self.compiled_chunks < GAIN_CHUNKS:
+        if not self.best_compiled_s or not self.best_step_s or self.compiled_chunks < GAIN_CHUNKS:
             return None
         return self.best_compiled_s / self.best_step_s
 
@@ -331,10 +338,10 @@ class RunnerCache:
         compile. Where it knows what compiling buys (:meth:`gain`: the compiled steps' time over the
         eager steps', measured in this process or recorded on this machine for the same runner and
         shapes), the rent is what the eager steps cost beyond compiled ones: it compiles once the
-        eager time spent and this call's, times ``1 - gain``, would pass the compile's cost, and never
-        where compiled steps ran no faster (a runner compiled earlier in this process then runs
-        eagerly again): a runner whose compile buys little is not compiled again after a call or
-        two in every new process.
+        eager time spent and this call's, times ``1 - gain`` (at least :data:`MIN_SAVING`), would pass
+        the compile's cost; a runner whose compile buys little is not compiled again after a call or
+        two in every new process. A runner compiled earlier in this process whose compiled steps were
+        measured here no faster than its eager ones runs eagerly again.
         """
         plan = self._plan(key, shapes, steps, compile)
         if plan.compiled or plan.background:
@@ -362,9 +369,6 @@ class RunnerCache:
             return RunPlan(True, True, "compile=True", per, est, steps)
         est, measured = self._compile_cost(key, shapes)
         gain, where = self.gain(key, shapes)
-        if gain is not None and gain >= 1.0:
-            return RunPlan(False, False, f"eager: its compiled steps ran {gain:.3g}x the eager steps' time ({where}), "
-                                         "no faster", per, est, steps, gain=gain)
         if per is None:
             return self._buy(RunPlan(True, True, "no eager step timed", per, est, steps, gain=gain), measured)
         eager = per * steps
@@ -378,10 +382,12 @@ class RunnerCache:
             return self._buy(RunPlan(True, True, f"compiled: {steps} eager steps would take {eager:.3g} s (+{ledger.eager_s:.3g} s "
                                                  f"spent eagerly), more than the {est:.3g} s {cost}", per, est, steps),
                              measured)
-        # the rent is what the eager steps cost beyond compiled ones: a compile is bought once that passes its price
-        saved = (ledger.eager_s + eager) * (1.0 - gain)
-        known = (f"its compiled steps ran {gain:.3g}x the eager steps' time ({where}), so compiling would save "
-                 f"{saved:.3g} s of this call's {eager:.3g} s and the {ledger.eager_s:.3g} s spent eagerly so far")
+        # the rent is what the eager steps cost beyond compiled ones (at least MIN_SAVING of their time): a compile
+        # is bought once the rent paid and this call's passes its price
+        share = max(1.0 - gain, MIN_SAVING)
+        saved = (ledger.eager_s + eager) * share
+        known = (f"its compiled steps ran {gain:.3g}x the eager steps' time ({where}), so the rent is {share:.0%} of "
+                 f"the {ledger.eager_s:.3g} s spent eagerly and this call's {eager:.3g} s: {saved:.3g} s")
         if saved <= est:
             return RunPlan(False, False, f"eager: {known}, within the {est:.3g} s {cost}", per, est, steps, gain=gain)
         return self._buy(RunPlan(True, True, f"compiled: {known}, more than the {est:.3g} s {cost}", per, est, steps,
@@ -398,8 +404,10 @@ class RunnerCache:
         gain = ledger.measured_gain()
         if gain is not None:
             return gain, "measured in this process"
+        if ledger.signature is None:
+            return None, ""  # not described (yet): nothing to look up under
         if ledger.recorded_gain is False:
-            ledger.recorded_gain = _inductor.recorded_gain(ledger.signature) if ledger.signature is not None else None
+            ledger.recorded_gain = _inductor.recorded_gain(ledger.signature)
         if ledger.recorded_gain is None:
             return None, ""
         return ledger.recorded_gain, "recorded on this machine"

@@ -240,7 +240,7 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
         }                                                                                                     \
     }                                                                                                         \
     void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
-        if (n < 16) { /* short rows (a 2-D position): one flat pass, no vector loop set up per row */         \
+        if (n < 8) { /* short rows (a 2-D position): a scalar loop, no vector loop set up per row */          \
             for (int64_t r = 0; r < n_rows; r++) {                                                            \
                 const T *xr = x + r * n;                                                                      \
                 UINT bad = 0;                                                                                 \
@@ -249,7 +249,7 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
                     memcpy(&u, &xr[i], sizeof u);                                                             \
                     bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                \
                 }                                                                                             \
-                finite[r] &= (unsigned char)!bad;                                                             \
+                finite[r] = finite[r] && !bad;                                                                \
             }                                                                                                 \
             return;                                                                                           \
         }                                                                                                     \

@@ -291,13 +291,13 @@ def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) 
         import numpy as np
     except ImportError:  # pragma: no cover - torch without NumPy
         return None
-    # fnebm's C helpers at any size (not only from torch's grain size up, as for the updates, which torch runs
-    # on one thread below it): NumPy's isfinite-and-all over short rows took 250-370 us for 10,000 chains of a
-    # 2-D position, the C pass about 15 (a 2-D MLP's Langevin step: 0.3-0.75 of its 17 ms)
-    lib = fr._c_library() if fr._C_EAGER else None
     try:
         ok = np.array(np.isfinite(scalar.detach().numpy()), dtype=np.bool_, order="C")  # fresh, C-ordered
         if events and math.prod(events[0].shape[n_batch:]) > 0:
+            # fnebm's C rows at any size (not only from torch's grain size up, as for the updates, which torch
+            # runs on one thread below it): NumPy's isfinite-and-all over short rows took 250-370 us a tensor for
+            # 10,000 chains of a 2-D position, the C pass about 35 (bench/finite_check.py)
+            lib = fr._c_library() if fr._C_EAGER else None
             for t in events:
                 a = t.detach().numpy()
                 # in C, into ok itself (one pass, no mask array) where ok has the batch shape; else NumPy
