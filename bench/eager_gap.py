@@ -1,6 +1,7 @@
 """The eager Langevin step on bench/user.py's 2-D MLP (10,000 chains) against the plain PyTorch loop,
-in one process, alternated call by call: fnebm with the small state chain-innermost (the eager
-engine's layout for events up to 64 values) and chain-outermost (``_CHAINS_LAST_MAX_EVENT = 0``).
+in one process, alternated call by call: fnebm as it runs (a module's energy keeps the small state
+chain-outermost: ``fnebm.chain.engines._whole_batch_energy``) and with the state chain-innermost, as
+the eager engine laid out every event up to 64 values before that.
 
     python bench/eager_gap.py [--steps 50] [--rounds 15]
 
@@ -42,19 +43,21 @@ def main() -> None:
         fnebm.sample_chain(alg.step, state, fnebm.random.key(0), n, thin=n, progress=False, compile=False)
 
     plain = user.make_plain(net, x0, n)
-    ways = {"plain": plain, "fnebm chain-innermost": run_fnebm, "fnebm chain-outermost": run_fnebm}
-    limit = engines._CHAINS_LAST_MAX_EVENT
+    ways = {"plain": plain, "fnebm": run_fnebm, "fnebm chain-innermost": run_fnebm}
+    whole = getattr(engines, "_whole_batch_energy", None)
     times = {w: [] for w in ways}
     faults = {w: [] for w in ways}
     for _ in range(a.rounds):
         for w, run in ways.items():
-            engines._CHAINS_LAST_MAX_EVENT = 0 if w == "fnebm chain-outermost" else limit
+            if whole is not None:
+                engines._whole_batch_energy = (lambda step: False) if w == "fnebm chain-innermost" else whole
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             run()
             times[w].append(time.perf_counter() - t0)
             faults[w].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    engines._CHAINS_LAST_MAX_EVENT = limit
+    if whole is not None:
+        engines._whole_batch_energy = whole
     print(f"10,000 chains x {n} steps, {a.rounds} rounds, threads {torch.get_num_threads()}, load {os.getloadavg()}")
     for w in ways:
         ratio = "" if w == "plain" else \

@@ -517,3 +517,36 @@ def test_mala_takes_its_host_scalar_step_size_beside_device_tensors():
     got = log_acceptance_ratio(xs, es, xs.cos(), xs.sin(), es.exp(), xs, torch.tensor(0.1, dtype=F64))
     want = log_acceptance_ratio(xs, es, xs.cos(), xs.sin(), es.exp(), xs, torch.full((4,), 0.1, dtype=F64))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_whole_batch_energy_keeps_its_small_state_chain_outermost_with_the_same_draws(monkeypatch):
+    # the eager engine lays a small state out chain-innermost, except for an energy evaluated for all chains
+    # at once (its gradient comes out chain-outermost): the layout changes no key, draw or decision, and the
+    # values only by float rounding (a product over a transposed input sums in another order)
+    from fnebm.chain import engines
+
+    fast, slow = _pair(_net(d=2))
+    assert engines._whole_batch_energy(fnebm.langevin(fast, 0.05).step)
+    assert not engines._whole_batch_energy(fnebm.langevin(slow, 0.05).step)
+    assert not engines._whole_batch_energy(lambda state, key: (state, None))  # a step of the user's: opaque
+    layouts = []
+    real = engines._chains_last
+    monkeypatch.setattr(engines, "_chains_last", lambda state: layouts.append(True) or real(state))
+    x = _xs(64, 2)
+    runs = {}
+    for layout, whole in (("outermost", engines._whole_batch_energy), ("innermost", lambda step: False)):
+        monkeypatch.setattr(engines, "_whole_batch_energy", whole)
+        for name, make in (("langevin", fnebm.langevin), ("mala", fnebm.mala)):
+            alg = make(fast, 0.05)
+            state = torch.func.vmap(alg.init)(x)
+            runs[layout, name] = fnebm.sample_chain(alg.step, state, fr.key(3), 12, compile=False, progress=False)
+    assert len(layouts) == 2  # only the runs told the energy is no whole-batch one laid the state out chains last
+    for name in ("langevin", "mala"):
+        a, b = runs["outermost", name], runs["innermost", name]
+        leaves = list(zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)))
+        assert len(leaves) > 3
+        for u, v in leaves:
+            if u.is_floating_point():
+                torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+            else:  # steps taken, acceptances, divergences, keys
+                assert torch.equal(u, v)

@@ -25,6 +25,7 @@ from fnebm import _checks, _loop
 from fnebm import random as fr
 from fnebm.chain.runner import GAIN_TIMED, RunPlan, describe_failure
 from fnebm.chain.schedule import Kept
+from fnebm.energies.neural import batch_form
 from fnebm.kernels import dispatch
 from fnebm.samplers.base import step_fields
 
@@ -46,6 +47,18 @@ _SCRATCH_BYTES = 8 * 2**20
 
 # Events up to this many elements are stored chain-innermost while a one-axis batch runs.
 _CHAINS_LAST_MAX_EVENT = 64
+
+
+def _whole_batch_energy(step: Any) -> bool:
+    """Whether ``step`` is a sampler's step whose energy is evaluated for all chains at once (a module's,
+    :func:`fnebm.energies.from_module`; :func:`fnebm.energies.batched`): its small state then keeps the
+    chain axis outermost. Such an energy's matrix products give its gradient chain-outermost, and a state
+    laid out the other way met it in mixed layouts at every step (the update's elementwise passes, which
+    then cannot take the one-pass C helper): `bench/eager_gap.py`, the 2-D MLP's eager step, 1.10-1.14x the
+    plain loop chain-outermost against 1.19-1.22x chain-innermost (compiled 1.07x against 1.13x)."""
+    fields = step_fields(step)
+    energy = None if fields is None else fields.keywords.get("energy_fn")
+    return energy is not None and batch_form(energy) is not None
 
 
 def _graphs_compiled() -> int:
@@ -244,7 +257,8 @@ class TorchEngine:
         self.compiled, self.background_failed = compiled, background_failed
         self.expected, self.bufs, self.n_kept, self.thin = expected, bufs, n_kept, thin
         self.on_plan, self.fall_back = on_plan, fall_back
-        self.state = _chains_last(chain.state) if n_chain_axes == 1 else chain.state
+        self.state = (_chains_last(chain.state) if n_chain_axes == 1 and not _whole_batch_energy(step)
+                      else chain.state)
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
         self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
