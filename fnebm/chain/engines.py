@@ -52,10 +52,10 @@ _CHAINS_LAST_MAX_EVENT = 64
 def _whole_batch_energy(step: Any) -> bool:
     """Whether ``step`` is a sampler's step whose energy is evaluated for all chains at once (a module's,
     :func:`fnebm.energies.from_module`; :func:`fnebm.energies.batched`): its small state then keeps the
-    chain axis outermost. Such an energy's matrix products give its gradient chain-outermost, and a state
-    laid out the other way met it in mixed layouts at every step (the update's elementwise passes, which
-    then cannot take the one-pass C helper): `bench/eager_gap.py`, the 2-D MLP's eager step, 1.10-1.14x the
-    plain loop chain-outermost against 1.19-1.22x chain-innermost (compiled 1.07x against 1.13x)."""
+    chain axis outermost in eager steps. Such an energy's matrix products give its gradient chain-outermost,
+    and a state laid out the other way met it in mixed layouts at every step (the update's elementwise
+    passes, which then cannot take the one-pass C helper): ``bench/eager_gap.py``, the 2-D MLP's eager step,
+    1.005x the plain loop chain-outermost against 1.161x chain-innermost."""
     fields = step_fields(step)
     energy = None if fields is None else fields.keywords.get("energy_fn")
     return energy is not None and batch_form(energy) is not None
@@ -257,8 +257,10 @@ class TorchEngine:
         self.compiled, self.background_failed = compiled, background_failed
         self.expected, self.bufs, self.n_kept, self.thin = expected, bufs, n_kept, thin
         self.on_plan, self.fall_back = on_plan, fall_back
-        self.state = (_chains_last(chain.state) if n_chain_axes == 1 and not _whole_batch_energy(step)
-                      else chain.state)
+        # eager steps of a whole-batch energy keep its small state chain-outermost; the compiled runner's loop
+        # carries it chain-innermost (its body gives the state back in that layout: a scan needs the same)
+        self.outermost = n_chain_axes == 1 and not plan.compiled and _whole_batch_energy(step)
+        self.state = _chains_last(chain.state) if n_chain_axes == 1 and not self.outermost else chain.state
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
         self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
@@ -284,6 +286,8 @@ class TorchEngine:
                                            reason=f"compiled from step {a} of this call on: the compile that ran "
                                                   "in the background is ready")
             self.run = self.compiled
+            if self.outermost:  # the compiled loop's layout from here on
+                self.state, self.outermost = _chains_last(self.state), False
         elif self.ledger.failed is not None:
             self.plan = self.background_failed(self.plan, self.ledger, a)
         else:
