@@ -258,8 +258,10 @@ class TorchEngine:
         self.expected, self.bufs, self.n_kept, self.thin = expected, bufs, n_kept, thin
         self.on_plan, self.fall_back = on_plan, fall_back
         # eager steps of a whole-batch energy keep its small state chain-outermost; the compiled runner's loop
-        # carries it chain-innermost (its body gives the state back in that layout: a scan needs the same)
-        self.outermost = n_chain_axes == 1 and not plan.compiled and _whole_batch_energy(step)
+        # carries it chain-innermost (its body gives the state back in that layout: a scan needs the same), and
+        # so does a call whose compile runs in the background (it compiles for this state, and takes over)
+        self.outermost = (n_chain_axes == 1 and not plan.compiled and not plan.background
+                          and _whole_batch_energy(step))
         self.state = _chains_last(chain.state) if n_chain_axes == 1 and not self.outermost else chain.state
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
@@ -286,8 +288,6 @@ class TorchEngine:
                                            reason=f"compiled from step {a} of this call on: the compile that ran "
                                                   "in the background is ready")
             self.run = self.compiled
-            if self.outermost:  # the compiled loop's layout from here on
-                self.state, self.outermost = _chains_last(self.state), False
         elif self.ledger.failed is not None:
             self.plan = self.background_failed(self.plan, self.ledger, a)
         else:
