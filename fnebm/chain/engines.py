@@ -260,9 +260,8 @@ class TorchEngine:
         # eager steps of a whole-batch energy keep its small state chain-outermost; the compiled runner's loop
         # carries it chain-innermost (its body gives the state back in that layout: a scan needs the same), and
         # so does a call whose compile runs in the background (it compiles for this state, and takes over)
-        self.outermost = (n_chain_axes == 1 and not plan.compiled and not plan.background
-                          and _whole_batch_energy(step))
-        self.state = _chains_last(chain.state) if n_chain_axes == 1 and not self.outermost else chain.state
+        outermost = n_chain_axes == 1 and not plan.compiled and not plan.background and _whole_batch_energy(step)
+        self.state = _chains_last(chain.state) if n_chain_axes == 1 and not outermost else chain.state
         self.device = chain.keys.device
         self.first = None  # (state, info) of the run's first step when it was computed already (the probe's)
         self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
