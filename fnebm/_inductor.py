@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["inductor_backend", "innermost_call", "graph_keys", "record_graph", "compiled_before", "cache_hits",
+__all__ = ["inductor_backend", "innermost_call", "has_products", "graph_keys", "record_graph", "compiled_before", "cache_hits",
            "record_gain", "recorded_gain",
            "compile_patches", "passive_openmp", "machine_compile_s", "record_compile_s", "fast_linker", "linking_fast"]
 
@@ -58,6 +58,35 @@ def _has_while_loop(gm: torch.fx.GraphModule) -> bool:
     return any(node.op == "call_function" and node.target is loop_op
                for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
                for node in module.graph.nodes)
+
+
+# What calls a library's matrix product or convolution (MKL, oneDNN) in a traced graph: Inductor calls each
+# from its wrapper as an extern kernel, with the output buffer it allocates first
+_PRODUCT_FUNCTIONS = {"matmul", "mm", "bmm", "mv", "addmm", "addmv", "baddbmm", "addbmm", "einsum", "linear",
+                      "bilinear", "tensordot", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                      "conv_transpose2d", "conv_transpose3d", "convolution"}
+_PRODUCT_METHODS = {"matmul", "mm", "bmm", "mv", "addmm", "__matmul__", "__rmatmul__"}
+
+
+def has_products(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph (nested graphs included) calls a matrix product or a convolution: its
+    compiled CPU code then calls a library (MKL, oneDNN) for each, and their gradients too."""
+    import operator
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function":
+                if node.target is operator.matmul or getattr(node.target, "__name__", None) in _PRODUCT_FUNCTIONS:
+                    return True
+            elif node.op == "call_method" and node.target in _PRODUCT_METHODS:
+                return True
+            elif node.op == "call_module":
+                sub = module.get_submodule(node.target) if isinstance(node.target, str) else None
+                if isinstance(sub, (torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd)):
+                    return True
+    return False
 
 
 def passive_openmp() -> bool:

@@ -302,30 +302,44 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     direct = []
     real_direct = evaluation._direct
     monkeypatch.setattr(evaluation, "_direct", lambda *a: direct.append(real_direct(*a)) or direct[-1])
+    wrappers = []  # the C++ wrapper asked of Inductor, per compile
+    real_backend = _inductor.inductor_backend
+
+    def backend(gm, example_inputs, extra=None):
+        wrappers.append((extra or {}).get("cpp_wrapper", False))
+        return real_backend(gm, example_inputs, extra)
+
+    monkeypatch.setattr(_inductor, "inductor_backend", backend)
     f = _fresh(energy)
     x0 = fr.normal(fr.key(3), (8, 2))
     keys = fr.split(fr.key(4), 8)
     out = []
-    for compile_energy in (False, True, "wrapped", "auto"):
-        if compile_energy == "auto":
+    for compile_energy in (False, True, "wrapped", "python", "auto"):
+        if compile_energy == "python":  # Inductor's Python wrapper: a compile of its own, on an energy of its own
             compiled_f, f = f, _fresh(energy)
+        if compile_energy == "auto":
+            f = _fresh(energy)
             # the traced tier only: a compile is never worth it here (else "auto" compiles whenever the
             # compile above was quick against the kernel's expected evaluations, as on a warm Inductor cache)
             monkeypatch.setattr(evaluation, "compile_estimate", lambda *a: float("inf"))
         # "wrapped": the same compiled graph, its pinned calls through AOTAutograd's wrapper
         monkeypatch.setattr(evaluation, "DIRECT", compile_energy != "wrapped")
-        alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy in (True, "wrapped") or compile_energy)
+        monkeypatch.setattr(evaluation, "CPP_WRAPPER", compile_energy != "python")
+        alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy in (True, "wrapped", "python") or compile_energy)
         state = torch.func.vmap(alg.init)(x0)
         for i in range(3):
             state, info = alg.step(state, fr.fold_in(keys, i))
         out.append((state, info))
-    (a, ia), (b, ib), (w, iw), (c, ic) = out
+    (a, ia), (b, ib), (w, iw), (p, ip), (c, ic) = out
+    # the energy's products (x @ (P @ x)) gave the first compile Inductor's C++ wrapper, the "python"
+    # one its Python wrapper: the same kernels, the same draws bit for bit
+    assert wrappers == [True, False]
     # the kernel's trips called Inductor's graph directly (checked once against the wrapper, then
     # taken): the same draws bit for bit as through the wrapper; "auto"'s traced tier (aot_eager)
     # has no Inductor graph and keeps its wrapper
-    assert len(direct) == 2 and direct[0] is not None and direct[1] is None
-    for u, v in zip(torch.utils._pytree.tree_leaves((b, ib)), torch.utils._pytree.tree_leaves((w, iw))):
-        assert torch.equal(u, v)
+    assert len(direct) == 3 and direct[0] is not None and direct[1] is not None and direct[2] is None
+    for u, v, q in zip(*(torch.utils._pytree.tree_leaves(o) for o in ((b, ib), (w, iw), (p, ip)))):
+        assert torch.equal(u, v) and torch.equal(u, q)
     for other, info in ((b, ib), (c, ic)):
         torch.testing.assert_close(a.position, other.position, rtol=1e-4, atol=1e-5)
         assert torch.equal(ia.num_integration_steps, info.num_integration_steps)
@@ -336,8 +350,32 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     compiled_ev = evaluation._evaluation(compiled_f, 1)
     assert compiled_ev.compile_s is not None
     # the compile recorded its Inductor graph: a later process knows this machine compiled it (a cache hit)
-    assert recorded and recorded[-1][0] == compiled_ev.signature(x0) and recorded[-1][1] == compiled_ev.graph_keys != []
+    assert compiled_ev.graph_keys != [] and (compiled_ev.signature(x0), compiled_ev.graph_keys) in recorded
     assert e.is_contiguous() and g.is_contiguous()
+
+
+def test_an_evaluation_with_products_asks_for_the_cpp_wrapper(monkeypatch):
+    # the rule, without compiling: a traced evaluation that calls a matrix product (or a convolution,
+    # a linear layer) is compiled with Inductor's C++ wrapper on the CPU; one without, or with the
+    # switch off, with its Python wrapper
+    asked = []
+    monkeypatch.setattr(_inductor, "inductor_backend", lambda gm, ex, extra=None: asked.append(extra) or gm)
+    ev = evaluation._evaluation(_fresh(energy), 1)
+    x = torch.zeros(4, 2)
+    cases = [(lambda x: x @ P, True), (lambda x: torch.nn.functional.linear(x, P), True),
+             (torch.nn.Sequential(torch.nn.Linear(2, 1)), True), (lambda x: (x * x).sum(-1), False),
+             (lambda x: torch.einsum("cd,de->ce", x, P), True), (lambda x: x.mm(P), True)]
+    for fn, products in cases:
+        gm = torch.fx.symbolic_trace(fn)
+        assert _inductor.has_products(gm) is products
+        ev._backend(gm, [x])
+        assert asked[-1].get("cpp_wrapper", False) is products and asked[-1]["size_asserts"] is False
+    monkeypatch.setattr(evaluation, "CPP_WRAPPER", False)
+    ev._backend(torch.fx.symbolic_trace(lambda x: x @ P), [x])
+    assert "cpp_wrapper" not in asked[-1]
+    monkeypatch.setattr(evaluation, "CPP_WRAPPER", True)
+    ev._backend(torch.fx.symbolic_trace(lambda x: x @ P), [torch.zeros(4, 2, device="meta")])
+    assert "cpp_wrapper" not in asked[-1]  # not on the CPU: left as Inductor makes it
 
 
 def test_a_graph_that_writes_its_inputs_is_called_through_its_wrapper():
