@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["inductor_backend", "innermost_call", "has_products", "graph_keys", "record_graph", "compiled_before", "cache_hits",
+__all__ = ["inductor_backend", "innermost_call", "has_products", "inputs_on_cpu", "graph_keys", "record_graph", "compiled_before", "cache_hits",
            "record_gain", "recorded_gain",
            "compile_patches", "passive_openmp", "machine_compile_s", "record_compile_s", "fast_linker", "linking_fast"]
 
@@ -66,6 +66,11 @@ _PRODUCT_FUNCTIONS = {"matmul", "mm", "bmm", "mv", "addmm", "addmv", "baddbmm", 
                       "bilinear", "tensordot", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
                       "conv_transpose2d", "conv_transpose3d", "convolution"}
 _PRODUCT_METHODS = {"matmul", "mm", "bmm", "mv", "addmm", "__matmul__", "__rmatmul__"}
+
+
+def inputs_on_cpu(example_inputs) -> bool:
+    """Whether every tensor among a graph's example inputs is on the CPU."""
+    return all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
 
 
 def has_products(gm: torch.fx.GraphModule) -> bool:
@@ -777,7 +782,7 @@ def inductor_backend(gm: torch.fx.GraphModule, example_inputs, extra: dict | Non
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(_COMPILE_OPTIONS)
-    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
+    on_cpu = inputs_on_cpu(example_inputs)
     if on_cpu:
         patches.update(compile_patches())
         if torch._inductor.config.post_grad_custom_post_pass is None:  # a user's own pass is left alone

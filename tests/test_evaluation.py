@@ -377,6 +377,17 @@ def test_an_evaluation_with_products_asks_for_the_cpp_wrapper(monkeypatch):
     ev._backend(torch.fx.symbolic_trace(lambda x: x @ P), [torch.zeros(4, 2, device="meta")])
     assert "cpp_wrapper" not in asked[-1]  # not on the CPU: left as Inductor makes it
 
+    def refuses_cpp(gm, ex, extra=None):  # a graph the C++ wrapper cannot build: the Python wrapper's
+        asked.append(extra)
+        if extra.get("cpp_wrapper"):
+            raise RuntimeError("no C shim for this operation")
+        return gm
+
+    monkeypatch.setattr(_inductor, "inductor_backend", refuses_cpp)
+    del asked[:]
+    ev._backend(torch.fx.symbolic_trace(lambda x: x @ P), [x])
+    assert [a.get("cpp_wrapper", False) for a in asked] == [True, False]
+
 
 def test_a_graph_that_writes_its_inputs_is_called_through_its_wrapper():
     # AOTAutograd's runtime wrapper is skipped only for a plain CPU graph that leaves its inputs alone

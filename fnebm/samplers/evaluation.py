@@ -233,11 +233,15 @@ class _Evaluation:
         # Inductor's checks of its inputs' sizes and strides at every call repeat what Dynamo's guards
         # check (shapes are static), and a pinned call's positions are checked against the pin
         extra = {"size_asserts": False}
-        if CPP_WRAPPER and _on_cpu(example_inputs) and _inductor.has_products(gm):
+        if CPP_WRAPPER and _inductor.inputs_on_cpu(example_inputs) and _inductor.has_products(gm):
             # Inductor's Python wrapper allocates each buffer and calls each library product and kernel
             # from Python (about 1 us each); its C++ wrapper does it in C++ for a fixed cost per call
-            extra["cpp_wrapper"] = True
-        compiled = _inductor.inductor_backend(gm, example_inputs, extra=extra)
+            try:
+                compiled = _inductor.inductor_backend(gm, example_inputs, extra=dict(extra, cpp_wrapper=True))
+            except Exception:  # an operation the C++ wrapper cannot call (no C shim): the Python wrapper
+                compiled = _inductor.inductor_backend(gm, example_inputs, extra=extra)
+        else:
+            compiled = _inductor.inductor_backend(gm, example_inputs, extra=extra)
         self.graph_keys.extend(k for k in _inductor.graph_keys(compiled) if k not in self.graph_keys)
         return self._recording(compiled)
 
@@ -487,12 +491,6 @@ def _direct(compiled: Callable, args: tuple, out: Any) -> Callable | None:
         return call(list(a))
 
     return direct
-
-
-def _on_cpu(example_inputs: Any) -> bool:
-    import torch
-
-    return all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:
