@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import math
+import operator
 import os
 import platform
 import shutil
@@ -76,8 +77,6 @@ def inputs_on_cpu(example_inputs) -> bool:
 def has_products(gm: torch.fx.GraphModule) -> bool:
     """Whether a traced graph (nested graphs included) calls a matrix product or a convolution: its
     compiled CPU code then calls a library (MKL, oneDNN) for each, and their gradients too."""
-    import operator
-
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue

@@ -327,7 +327,7 @@ class TorchEngine:
         if not self.plan.compiled and self.record and b - a > reused:
             sync(self.device)
             self.ledger.record(time.perf_counter() - t0, b - a - reused)
-        elif timed and self.plan.compiled and _graphs_compiled() == graphs:
+        elif timed and _graphs_compiled() == graphs:
             sync(self.device)
             self.ledger.record_compiled(time.perf_counter() - t0, b - a)
         if kept is None:

@@ -89,8 +89,8 @@ EXPECTED_FACTOR = 2.0
 DIRECT = True
 # a compiled CPU evaluation that calls a library's matrix products (MKL: a linear predictor, a quadratic
 # form, a network's layers) gets Inductor's C++ wrapper: its Python wrapper allocated each buffer and
-# called each product and kernel from Python, about 1 us each, where the C++ wrapper costs a fixed
-# ~3 us a call (the 100-D Gaussian's evaluation, 4 chains: 16.8-17.9 -> 12.7-13.3 us on an AVX2 host; the
+# called each product and kernel from Python, about 1 us each, where the C++ wrapper does that in C++
+# for a fixed cost per call (the 100-D Gaussian's evaluation, 4 chains: 16.8-17.9 -> 12.7-13.3 us on an AVX2 host; the
 # logistic regression's the same within the noise). An evaluation without products (eight schools:
 # two fused kernels) keeps the Python wrapper, which was as fast or faster there (4.9-6.5 against
 # 5.5-8.7 us). The C++ wrapper is one more build in a compile from empty caches (about 1.2 s here).
@@ -233,14 +233,13 @@ class _Evaluation:
         # Inductor's checks of its inputs' sizes and strides at every call repeat what Dynamo's guards
         # check (shapes are static), and a pinned call's positions are checked against the pin
         extra = {"size_asserts": False}
+        compiled = None
         if CPP_WRAPPER and _inductor.inputs_on_cpu(example_inputs) and _inductor.has_products(gm):
-            # Inductor's Python wrapper allocates each buffer and calls each library product and kernel
-            # from Python (about 1 us each); its C++ wrapper does it in C++ for a fixed cost per call
-            try:
+            try:  # the library products called from C++, not Python (CPP_WRAPPER)
                 compiled = _inductor.inductor_backend(gm, example_inputs, extra=dict(extra, cpp_wrapper=True))
-            except Exception:  # an operation the C++ wrapper cannot call (no C shim): the Python wrapper
-                compiled = _inductor.inductor_backend(gm, example_inputs, extra=extra)
-        else:
+            except Exception:  # noqa: BLE001 - an operation the C++ wrapper cannot call: the Python wrapper
+                pass
+        if compiled is None:
             compiled = _inductor.inductor_backend(gm, example_inputs, extra=extra)
         self.graph_keys.extend(k for k in _inductor.graph_keys(compiled) if k not in self.graph_keys)
         return self._recording(compiled)
