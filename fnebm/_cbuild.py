@@ -3,7 +3,8 @@
 imports only torch); :mod:`fnebm.kernels._cbuild` is another name for this module.
 
 A :class:`CLibrary` is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
-this machine's CPU, its objects in parallel, into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm``
+this machine's CPU (a ``.cpp`` source as C++: the compiler driver takes the language from the suffix,
+and the library is linked with libstdc++), its objects in parallel, into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm``
 (falling back to a per-user temporary folder) under a name that hashes the sources, the flags,
 the compiler (its ``--version``, remembered there too: :func:`compiler_version`), the CPU and
 torch's version; later processes load it from there. The build is
@@ -78,6 +79,8 @@ LIBRARIES: dict[str, tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[str, .
     # two operations do (the kernel's tree decisions compare against thresholds; the fewer rounding
     # differences the better)
     "cpu_nuts": ((("_cpu_nuts.c", ("-ffp-contract=off",)),), ("_cpu_nuts.c", "_cpu_common.h")),
+    # fnebm.kernels.cpu_trips: C++ (it catches a compiled graph's exceptions), linked with libstdc++
+    "cpu_trips": ((("_cpu_trips.cpp", ()),), ("_cpu_trips.cpp",)),
 }
 
 # What the installation built (prebuild(), from setup.py): <stem>.so, its checksum record, and
@@ -504,7 +507,8 @@ class CLibrary:
                     first = (err.strip().splitlines() or ["no message"])[0]
                     raise RuntimeError(f"{' '.join(cc)} failed to build the C kernel: {first}")
             tmp = os.path.join(work, f"{self.stem}.so")
-            done = subprocess.run([*cc, "-shared", "-fopenmp", *objects, "-o", tmp, "-lm"], capture_output=True,
+            cxx = ["-lstdc++"] if any(src.suffix == ".cpp" for src, _ in self.objects) else []
+            done = subprocess.run([*cc, "-shared", "-fopenmp", *objects, "-o", tmp, "-lm", *cxx], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 first = (done.stderr.strip().splitlines() or ["no message"])[0]

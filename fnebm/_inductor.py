@@ -34,6 +34,7 @@ import math
 import operator
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -830,6 +831,47 @@ def innermost_call(compiled: Callable) -> Callable | None:
             or getattr(graph, "cudagraph_info", None) is not None):
         return None
     return call
+
+
+# Inductor's C++ wrapper, as torch 2.13 generates it: the entry's signature (its C++ name) and what its
+# source must say for cpp_entry to hand its address on
+_ENTRY_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"  # inductor_entry_impl(AtenTensorHandle*, AtenTensorHandle*)
+_ENTRY_STEALS = re.compile(r"auto inputs = steal_from_raw_handles_to_raii_handles\(input_handles, (\d+)\);")
+_ENTRY_OUTPUT = re.compile(r"output_handles\[(\d+)\] = ")
+
+
+def cpp_entry(compiled: Callable, n_inputs: int) -> int | None:
+    """The address of the C++ entry of the one Inductor CPU graph inside ``compiled`` (what
+    :func:`inductor_backend` returned with ``cpp_wrapper=True``), ``inductor_entry_impl(input
+    handles, output handles)``, for :mod:`fnebm.kernels.cpu_trips` to call without Python; or
+    ``None`` where this is not plainly so: not a C++-wrapper graph, another torch's layout, or a
+    generated source that does not say what the caller relies on (that the entry takes
+    ``n_inputs`` input handles, which it steals, and gives two outputs, which it hands over).
+    Like :func:`innermost_call`, only for a graph that mutates no input."""
+    if innermost_call(compiled) is None:
+        return None
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+
+        (graph,) = _graphs_inside(compiled, CompiledFxGraph)
+        source = graph.source_code
+        call = graph.current_callable
+        # the generated module's call(args): a closure over the Python binding of the entry
+        (binding,) = [c.cell_contents for c in call.__closure__]
+        path = sys.modules[binding.__module__].__file__
+    except Exception:  # noqa: BLE001 - any other layout: no entry
+        return None
+    steals = _ENTRY_STEALS.findall(source)
+    outputs = sorted(int(i) for i in _ENTRY_OUTPUT.findall(source))
+    if (getattr(binding, "__name__", None) != "inductor_entry_cpp" or not str(path).endswith(".so")
+            or "void inductor_entry_impl(" not in source or steals != [str(n_inputs)] or outputs != [0, 1]):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.cast(getattr(ctypes.PyDLL(path), _ENTRY_SYMBOL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def _graphs_inside(compiled: Callable, kind: type) -> list:

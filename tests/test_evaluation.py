@@ -11,7 +11,7 @@ import torch
 import fnebm
 from fnebm import _inductor
 from fnebm import random as fr
-from fnebm.kernels import cpu_nuts, dispatch
+from fnebm.kernels import cpu_nuts, cpu_trips, dispatch
 from fnebm.samplers import evaluation
 
 pytestmark = pytest.mark.skipif(cpu_nuts.available() is not None,
@@ -313,8 +313,9 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
     f = _fresh(energy)
     x0 = fr.normal(fr.key(3), (8, 2))
     keys = fr.split(fr.key(4), 8)
-    out = []
+    out, native = [], []  # native: the trips each run made in C++ (cpu_trips)
     for compile_energy in (False, True, "wrapped", "python", "auto"):
+        made = cpu_trips.made
         if compile_energy == "python":  # Inductor's Python wrapper: a compile of its own, on an energy of its own
             compiled_f, f = f, _fresh(energy)
         if compile_energy == "auto":
@@ -327,10 +328,22 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
         monkeypatch.setattr(evaluation, "CPP_WRAPPER", compile_energy != "python")
         alg = fnebm.nuts(f, 0.5, compile_energy=compile_energy in (True, "wrapped", "python") or compile_energy)
         state = torch.func.vmap(alg.init)(x0)
+        trips = 0  # a transition's trips: its longest tree's integrator steps (the chains in lockstep)
         for i in range(3):
             state, info = alg.step(state, fr.fold_in(keys, i))
+            trips += int(info.num_integration_steps.max())
         out.append((state, info))
+        native.append((cpu_trips.made - made, trips))
     (a, ia), (b, ib), (w, iw), (p, ip), (c, ic) = out
+    # the compiled run's trips after each transition's first ran in C++ (the C++ wrapper's entry, called
+    # without Python: cpu_trips), where the library builds; the others' from Python: the same draws bit for bit
+    if cpu_trips.available() is None:
+        # (each transition's first trip from Python, which pins the graph; a transition's trips number
+        # about its longest tree's steps)
+        assert native[1][1] - 6 <= native[1][0] < native[1][1]
+        assert [n for n, _ in native[:1] + native[2:]] == [0] * 4
+    else:
+        assert [n for n, _ in native] == [0] * 5
     # the energy's products (x @ (P @ x)) gave the first compile Inductor's C++ wrapper, the "python"
     # one its Python wrapper: the same kernels, the same draws bit for bit
     assert wrappers == [True, False]
@@ -356,8 +369,9 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
 
 def test_an_evaluation_with_products_asks_for_the_cpp_wrapper(monkeypatch):
     # the rule, without compiling: a traced evaluation that calls a matrix product (or a convolution,
-    # a linear layer) is compiled with Inductor's C++ wrapper on the CPU; one without, or with the
-    # switch off, with its Python wrapper
+    # a linear layer) is compiled with Inductor's C++ wrapper on the CPU; one without too where the
+    # kernels' trips run in C++ (cpu_trips), else with its Python wrapper, as with the switch off
+    monkeypatch.setattr(evaluation, "_native_trips", lambda: False)
     asked = []
     monkeypatch.setattr(_inductor, "inductor_backend", lambda gm, ex, extra=None: asked.append(extra) or gm)
     ev = evaluation._evaluation(_fresh(energy), 1)
@@ -370,6 +384,10 @@ def test_an_evaluation_with_products_asks_for_the_cpp_wrapper(monkeypatch):
         assert _inductor.has_products(gm) is products
         ev._backend(gm, [x])
         assert asked[-1].get("cpp_wrapper", False) is products and asked[-1]["size_asserts"] is False
+    monkeypatch.setattr(evaluation, "_native_trips", lambda: True)
+    for fn, products in cases:
+        ev._backend(torch.fx.symbolic_trace(fn), [x])
+        assert asked[-1].get("cpp_wrapper", False) is True
     monkeypatch.setattr(evaluation, "CPP_WRAPPER", False)
     ev._backend(torch.fx.symbolic_trace(lambda x: x @ P), [x])
     assert "cpp_wrapper" not in asked[-1]

@@ -200,12 +200,12 @@ def test_the_package_data_ships_every_file_the_kernels_build_from():
     import tomllib
 
     from fnebm import _random_cpu
-    from fnebm.kernels import cpu_chain, cpu_nuts
+    from fnebm.kernels import cpu_chain, cpu_nuts, cpu_trips
 
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fnebm"]
     package = root / "fnebm"
-    libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY)
+    libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY, cpu_trips.LIBRARY)
     assert sorted(lib.stem for lib in libraries) == sorted(_cbuild.LIBRARIES)  # setup.py prebuilds these
     for library in libraries:
         for f in {*library.files, *(src for src, _ in library.objects)}:

@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fnebm.kernels import _assume_constant_result, cpu_chain, families
+from fnebm.kernels import _assume_constant_result, cpu_chain, cpu_trips, families
 from fnebm.kernels._cbuild import library
 
 __all__ = ["available", "built", "build_seconds", "why_not", "nuts_step", "nuts_transitions", "nuts_warmup",
@@ -534,6 +534,9 @@ def _drive(lib: ctypes.CDLL, args: _Args, n_trans: int, key_stride_t: int,
 
 
 _HINT_EVERY = 256  # trips between two estimates of the evaluations a loop still needs (Evaluate.expect)
+# trips of one run in C++ (cpu_trips) before the loop is back in Python: about 50 ms of a small energy's
+# trips here, so that Ctrl-C and the estimates above are never far off
+_NATIVE_TRIPS = 4096
 
 
 def _trips(resume: Callable, ctx: int, waiting: int, pending: Tensor,
@@ -543,6 +546,9 @@ def _trips(resume: Callable, ctx: int, waiting: int, pending: Tensor,
     negative code, returned to the caller). A trip is a few microseconds of C around the evaluation, so its
     Python is kept short: outputs that are already float32, contiguous CPU tensors of the right sizes
     (a compiled evaluation's) go to the kernel as they are, anything else is checked and converted.
+    Once the evaluation is a compiled graph with a C++ entry (``evaluate.native``, after a trip in
+    Python whose outputs went to the kernel as they were), the trips run in C++ (:mod:`cpu_trips`),
+    :data:`_NATIVE_TRIPS` at a time; a failed one is made again here, where its error raises.
 
     ``trips``: a one-element count of the loop's trips so far (kept across calls of one loop) and
     ``total`` the transitions the loop runs, summed over chains: every :data:`_HINT_EVERY` trips, an
@@ -551,18 +557,31 @@ def _trips(resume: Callable, ctx: int, waiting: int, pending: Tensor,
     at, p_ptr, nd = pending.view(chains + (d,)), pending.data_ptr(), n * d
     f32 = torch.float32
     expect = getattr(evaluate, "expect", None) if trips is not None and total > n else None
+    native = getattr(evaluate, "native", None)
     count = 0 if trips is None else trips[0]
+    hint = count + _HINT_EVERY - count % _HINT_EVERY
+    plain = False  # the last trip's outputs went to the kernel as they were
     while waiting > 0:
-        e, g = evaluate(at)
-        if not (type(e) is Tensor and type(g) is Tensor and e.dtype is f32 and g.dtype is f32 and e.is_cpu
-                and g.is_cpu and e.numel() == n and g.numel() == nd and e.is_contiguous() and g.is_contiguous()):
-            e, g = _outputs(e, g, at, chains, n, d)
-        waiting = resume(ctx, e.data_ptr(), g.data_ptr(), p_ptr)
-        count += 1
-        if expect is not None and count % _HINT_EVERY == 0:
-            done = LIBRARY.load().fnebm_nuts_done(ctx)
-            if done * 50 >= total and done > 0:
-                expect(count * (total - done) / done)
+        graph = native(at) if native is not None and plain else None
+        if graph is not None and cpu_trips.available() is None:
+            waiting, made, failed = cpu_trips.run(graph[0], graph[1], resume, ctx, waiting, pending, _NATIVE_TRIPS)
+            count += made
+            if failed:
+                native = None  # the rest of this loop in Python, its next trip first
+        else:
+            e, g = evaluate(at)
+            plain = (type(e) is Tensor and type(g) is Tensor and e.dtype is f32 and g.dtype is f32 and e.is_cpu
+                     and g.is_cpu and e.numel() == n and g.numel() == nd and e.is_contiguous() and g.is_contiguous())
+            if not plain:
+                e, g = _outputs(e, g, at, chains, n, d)
+            waiting = resume(ctx, e.data_ptr(), g.data_ptr(), p_ptr)
+            count += 1
+        if count >= hint:
+            hint = count + _HINT_EVERY - count % _HINT_EVERY
+            if expect is not None:
+                done = LIBRARY.load().fnebm_nuts_done(ctx)
+                if done * 50 >= total and done > 0:
+                    expect(count * (total - done) / done)
     if trips is not None:
         trips[0] = count
     return waiting

@@ -131,6 +131,7 @@ class _Evaluation:
         # for the rest of it (see pinned())
         self.pin_armed = False
         self.pin: tuple | None = None  # (graph, its inputs, where the positions are, their shape/strides/dtype/device)
+        self.pin_entry: int | None = None  # the pinned graph's C++ entry, for a kernel's trips in C++ (_entry)
         self._pin_x: Tensor | None = None  # the positions of the call being recorded
         self._pin_out: Any = None  # that call's graph outputs, until checked against what Dynamo returned
 
@@ -210,7 +211,7 @@ class _Evaluation:
         """The graph ``compiled`` as Dynamo calls it; inside :meth:`pinned`, its first call is kept
         when the positions are one of its inputs and its outputs are the evaluation's two results."""
 
-        direct: list = []  # the graph's own call, once checked (_direct)
+        direct: list = []  # the graph's own call, once checked (_direct), and its C++ entry (or None)
 
         def call(*args):
             out = compiled(*args)
@@ -220,8 +221,10 @@ class _Evaluation:
                 if len(at) == 1 and isinstance(out, (list, tuple)) and len(out) == 2:
                     if DIRECT and not direct:
                         direct.append(_direct(compiled, args, out))
+                        direct.append(_entry(compiled, args, out) if direct[0] is not None else None)
                     graph = (direct[0] if DIRECT else None) or compiled
                     self.pin = (graph, list(args), at[0], (x.shape, x.stride(), x.dtype, x.device))
+                    self.pin_entry = direct[1] if DIRECT and direct[0] is not None else None
                     self._pin_out = out
             return out
 
@@ -234,7 +237,8 @@ class _Evaluation:
         # check (shapes are static), and a pinned call's positions are checked against the pin
         extra = {"size_asserts": False}
         compiled = None
-        if CPP_WRAPPER and _inductor.inputs_on_cpu(example_inputs) and _inductor.has_products(gm):
+        if CPP_WRAPPER and _inductor.inputs_on_cpu(example_inputs) and (
+                _inductor.has_products(gm) or _native_trips()):
             try:  # the library products called from C++, not Python (CPP_WRAPPER)
                 compiled = _inductor.inductor_backend(gm, example_inputs, extra=dict(extra, cpp_wrapper=True))
             except Exception:  # noqa: BLE001 - an operation the C++ wrapper cannot call: the Python wrapper
@@ -492,6 +496,31 @@ def _direct(compiled: Callable, args: tuple, out: Any) -> Callable | None:
     return direct
 
 
+def _native_trips() -> bool:
+    """Whether a kernel's trips can run in C++ here (:mod:`fnebm.kernels.cpu_trips`): then every CPU
+    evaluation gets the C++ wrapper, whose entry those trips call without Python (CPP_WRAPPER)."""
+    from fnebm.kernels import cpu_trips
+
+    return cpu_trips.available() is None
+
+
+def _entry(compiled: Callable, args: tuple, out: Any) -> int | None:
+    """The C++ entry of ``compiled``'s graph (:func:`fnebm._inductor.cpp_entry`), for
+    :mod:`fnebm.kernels.cpu_trips`, where the library runs here and the graph's two outputs are what
+    the C kernels read as they are: contiguous float32 CPU tensors (their layout is the graph's,
+    fixed by its static shapes). Once per compiled graph, after :func:`_direct` took it."""
+    import torch
+
+    from fnebm import _inductor
+
+    if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.is_cpu and o.is_contiguous()
+               for o in out):
+        return None
+    if not _native_trips():
+        return None
+    return _inductor.cpp_entry(compiled, len(args))
+
+
 def _same_bits(a: Tensor, b: Tensor) -> bool:
     """Equal bit for bit (a NaN equals the same NaN, and -0.0 differs from 0.0, unlike ``torch.equal``)."""
     import torch
@@ -562,13 +591,29 @@ class Evaluate:
     def __init__(self, ev: _Evaluation, compile: bool | str) -> None:
         self.ev, self.mode = ev, compile
 
-    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        ev, tune = self.ev, self.mode == "auto"  # threads are chosen by timing under "auto" only
+    def _settled(self, x: Tensor) -> tuple | None:
+        """The pin, when a call at ``x`` runs it and nothing else: a kernel's trips on its own positions
+        buffer, compiled and pinned, threads chosen (nothing left to decide or time)."""
+        ev = self.ev
         pin = ev.pin
         if (pin is not None and pin[1][pin[2]] is x and ev.compile_s is not None and ev.failed is None
-                and self.mode is not False and (not tune or ev.one_thread is not None)):
-            # a kernel's trips on its own positions buffer, compiled and pinned, threads chosen: nothing left
-            # to decide or time, so the graph runs at once (what the path below would run)
+                and self.mode is not False and (self.mode != "auto" or ev.one_thread is not None)):
+            return pin
+        return None
+
+    def native(self, x: Tensor) -> tuple[int, list[Tensor]] | None:
+        """``(the C++ entry of the graph a call at x runs, its arguments)`` when that graph is all a call
+        at ``x`` would run and it has one (:func:`_entry`): a kernel's loop may then run its trips in
+        C++ (:mod:`fnebm.kernels.cpu_trips`), the same graph on the same arguments; else ``None``."""
+        pin = self._settled(x)
+        if pin is None or self.ev.pin_entry is None:
+            return None
+        return self.ev.pin_entry, pin[1]
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        ev, tune = self.ev, self.mode == "auto"  # threads are chosen by timing under "auto" only
+        pin = self._settled(x)
+        if pin is not None:  # what the path below would run
             return pin[0](*pin[1])
         if self.mode is False or ev.failed is not None:
             return ev.eager_call(x, tune)
