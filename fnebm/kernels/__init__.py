@@ -14,6 +14,9 @@ same keys.
   ``torch.ops.fnebm.cpu_chain`` (``cpu_chain.langevin_chain`` / ``cpu_chain.mala_chain``) puts
   it in compiled graphs.
 * :mod:`fnebm.kernels.cpu_nuts` — one NUTS transition of every chain in C (``_cpu_nuts.c``).
+* :mod:`fnebm.kernels.cpu_trips` — that kernel's trips on a compiled energy (a user's log density
+  or network) run in C++ (``_cpu_trips.cpp``): the compiled graph's entry and the kernel's next
+  step called one after the other without Python.
 
 The Triton kernels and ops need triton (``HAS_TRITON``).
 ``fnebm.sample_chain(..., backend=)`` dispatches to the kernels (:mod:`fnebm.kernels.dispatch`, the

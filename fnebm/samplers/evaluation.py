@@ -41,8 +41,10 @@ round differently from run to run (the keys, and so the draws up to float tolera
 change). ``compile_energy=True`` or ``False`` keep torch's threads and give the same bits every
 run.
 
-A compile that fails (an energy Dynamo cannot trace) is warned of once and the evaluations stay
-eager. One evaluator is kept per energy object (the last 16, which it keeps alive with their
+Compiled on the CPU, the graph is built with Inductor's C++ wrapper (:data:`CPP_WRAPPER`), and a
+kernel's loop on it calls the graph's C++ entry without Python between trips (:meth:`Evaluate.native`,
+:mod:`fnebm.kernels.cpu_trips`). A compile that fails (an energy Dynamo cannot trace) is warned of
+once and the evaluations stay eager. One evaluator is kept per energy object (the last 16, which it keeps alive with their
 data), so the warm-up's samplers, rebuilt at every iteration, and the sampling after it share
 its compiled code and its clock.
 """
@@ -87,13 +89,16 @@ EXPECTED_FACTOR = 2.0
 # a pinned compiled evaluation (a kernel's trips) calls Inductor's graph without AOTAutograd's runtime
 # wrapper where that is checked to give the same (_direct); False: always through the wrapper
 DIRECT = True
-# a compiled CPU evaluation that calls a library's matrix products (MKL: a linear predictor, a quadratic
-# form, a network's layers) gets Inductor's C++ wrapper: its Python wrapper allocated each buffer and
-# called each product and kernel from Python, about 1 us each, where the C++ wrapper does that in C++
-# for a fixed cost per call (the 100-D Gaussian's evaluation, 4 chains: 16.8-17.9 -> 12.7-13.3 us on an AVX2 host; the
-# logistic regression's the same within the noise). An evaluation without products (eight schools:
-# two fused kernels) keeps the Python wrapper, which was as fast or faster there (4.9-6.5 against
-# 5.5-8.7 us). The C++ wrapper is one more build in a compile from empty caches (about 1.2 s here).
+# a compiled CPU evaluation gets Inductor's C++ wrapper where the kernels' trips run in C++
+# (fnebm.kernels.cpu_trips calls its entry without Python: the 100-D Gaussian's warm-up and sampling
+# in 0.43x and 0.50x the time of the Python loop on an AVX2 host; eight schools' too). Where they
+# cannot, only one that calls a library's matrix products (MKL: a linear predictor, a quadratic form,
+# a network's layers): its Python wrapper allocated each buffer and called each product and kernel
+# from Python, about 1 us each, where the C++ wrapper does that in C++ for a fixed cost per call (the
+# 100-D Gaussian's evaluation, 4 chains: 16.8-17.9 -> 12.7-13.3 us; the logistic regression's the
+# same within the noise); one without products (eight schools: two fused kernels) called from Python
+# was as fast or faster with the Python wrapper (4.9-6.5 against 5.5-8.7 us). The C++ wrapper is one
+# more build in a compile from empty caches (about 1.2 s here).
 CPP_WRAPPER = True
 COMPILE_CHOICES = (True, False, "auto")
 _KEEP = 16
