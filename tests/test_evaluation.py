@@ -357,6 +357,30 @@ def test_a_real_compile_gives_the_eager_transition(monkeypatch):
         torch.testing.assert_close(a.position, other.position, rtol=1e-4, atol=1e-5)
         assert torch.equal(ia.num_integration_steps, info.num_integration_steps)
     assert evaluation._evaluation(f, 1).traced is not None
+    # window adaptation's C loop (fnebm_nuts_adapt_resume, which stops at each window's end) on the
+    # compiled graph: its trips in C++ (the same graph, no new compile) or from Python, the same bits;
+    # and cpu_trips.run gives back the handles it makes of its inputs (their storage as referenced as before)
+    warm = fnebm.window_adaptation(fnebm.nuts, compiled_f, 120, compile_energy=True)
+    results, made = [], []
+    for on in (True, False):
+        monkeypatch.setattr(cpu_trips, "NATIVE", on)
+        n0 = cpu_trips.made
+        results.append(warm.run(x0, fr.key(5)))
+        made.append(cpu_trips.made - n0)
+    monkeypatch.setattr(cpu_trips, "NATIVE", True)
+    assert (made[0] > 100 if cpu_trips.available() is None else made[0] == 0) and made[1] == 0
+    leaves = [torch.utils._pytree.tree_leaves(r) for r in results]
+    assert len(leaves[0]) == len(leaves[1]) and sum(isinstance(u, torch.Tensor) for u in leaves[0]) >= 4
+    for u, v in zip(*leaves):
+        assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+    if cpu_trips.available() is None:
+        pending = torch.zeros(8, 2)
+        uses = torch._C._storage_Use_Count(pending.untyped_storage()._cdata)
+        resume = cpu_nuts.LIBRARY.load().fnebm_nuts_resume
+        entry = evaluation._evaluation(compiled_f, 1).pin_entry
+        assert entry is not None
+        assert cpu_trips.run(entry, [pending, P], resume, 0, 0, pending, 10) == (0, 0, False)  # no chain waits
+        assert torch._C._storage_Use_Count(pending.untyped_storage()._cdata) == uses
     # the compiled graph's outputs are contiguous (its products of 8 x 2 are computed transposed, which
     # left the gradient with strides (1, 8), copied by the kernel's loop at every trip)
     e, g = evaluation.evaluator(compiled_f, 1, True)(x0)

@@ -14,13 +14,17 @@
  * fnebm/_inductor.py's cpp_entry before an address reaches here): it steals the input handles (so
  * each trip passes fresh handles to the same tensors, aoti_torch_new_tensor_handle of the
  * templates the caller made) and hands over the output handles (deleted here after `resume`); it
- * reports a failure by a C++ exception, caught here; it releases and retakes the GIL, so it is
- * called with the GIL held (ctypes.PYFUNCTYPE). The shim functions are libtorch's C API, their
+ * reports a failure by a C++ exception, caught here (a failure it reports as a Python error, from an
+ * operation it calls back into Python for, raises from the ctypes call instead: the caller sees that
+ * error); it releases and retakes the GIL, so it is called with the GIL held (ctypes.PYFUNCTYPE), and
+ * the kernel's C between two evaluations runs holding it. A call returns after max_ns nanoseconds of
+ * trips at most, so that Ctrl-C and other Python threads wait no longer than that. The shim functions are libtorch's C API, their
  * addresses passed in: this library links nothing of torch.
  *
  * Built by fnebm/kernels/cpu_trips.py (fnebm/_cbuild.py, with the C compiler as C++) into a library of
  * its own: where no C++ compiler is found, the Python loop runs the trips as before.
  */
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <new>
@@ -44,6 +48,7 @@ typedef struct {
     resume_fn resume;
     void *ctx;
     float *pending;
+    int64_t max_ns; /* back to the caller once the trips have taken this long (Ctrl-C, other threads) */
 } trips_args_t;
 
 /* Error codes (*error): 0 none; 1 the entry failed (an exception); 2 a shim call failed or an output
@@ -53,6 +58,7 @@ extern "C" int64_t fnebm_trips(const trips_args_t *a, int64_t waiting, int64_t m
                                int32_t *error) {
     handle_t in[MAX_INPUTS];
     int64_t count = 0;
+    const auto start = std::chrono::steady_clock::now();
     *error = 0;
     if (a->n_inputs > MAX_INPUTS || a->n_inputs < 0) {
         *error = 3;
@@ -73,9 +79,10 @@ extern "C" int64_t fnebm_trips(const trips_args_t *a, int64_t waiting, int64_t m
             try {
                 a->entry(in, outs);  /* takes the inputs, even when it throws (they are its RAII handles) */
             } catch (...) {
-                for (handle_t h : outs)
-                    if (h)
-                        a->del(h);
+                if (outs[0])
+                    a->del(outs[0]);
+                if (outs[1] && outs[1] != outs[0])
+                    a->del(outs[1]);
                 *error = 1;
                 goto out;
             }
@@ -83,15 +90,19 @@ extern "C" int64_t fnebm_trips(const trips_args_t *a, int64_t waiting, int64_t m
             const bool ok = outs[0] && outs[1] && a->data_ptr(outs[0], &e) == 0 && a->data_ptr(outs[1], &g) == 0;
             if (ok)
                 waiting = a->resume(a->ctx, (const float *)e, (const float *)g, a->pending);
-            for (handle_t h : outs)
-                if (h)
-                    a->del(h);
+            if (outs[0])
+                a->del(outs[0]);
+            if (outs[1] && outs[1] != outs[0])  /* an output given twice is one handle */
+                a->del(outs[1]);
             if (!ok) {
                 *error = 2;
                 goto out;
             }
         }
         count++;
+        if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count()
+            >= a->max_ns)
+            break;
     }
 out:
     *trips = count;

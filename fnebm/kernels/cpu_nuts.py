@@ -534,8 +534,8 @@ def _drive(lib: ctypes.CDLL, args: _Args, n_trans: int, key_stride_t: int,
 
 
 _HINT_EVERY = 256  # trips between two estimates of the evaluations a loop still needs (Evaluate.expect)
-# trips of one run in C++ (cpu_trips) before the loop is back in Python: about 50 ms of a small energy's
-# trips here, so that Ctrl-C and the estimates above are never far off
+# trips of one run in C++ (cpu_trips) before the loop is back in Python, at most (and at most 50 ms of
+# them: cpu_trips.run's max_s), so that Ctrl-C and the estimates above are never far off
 _NATIVE_TRIPS = 4096
 
 

@@ -31,7 +31,8 @@ made = 0  # trips this process made here (tests check that a loop took this path
 class _Args(ctypes.Structure):
     _fields_ = [("entry", ctypes.c_void_p), ("new_handle", ctypes.c_void_p), ("delete", ctypes.c_void_p),
                 ("data_ptr", ctypes.c_void_p), ("n_inputs", ctypes.c_int64), ("inputs", ctypes.c_void_p),
-                ("resume", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("pending", ctypes.c_void_p)]
+                ("resume", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("pending", ctypes.c_void_p),
+                ("max_ns", ctypes.c_int64)]
 
 
 # called with the GIL held (PYFUNCTYPE, not the library's CFUNCTYPE): the graph's entry releases and retakes it
@@ -48,9 +49,10 @@ def _setup(lib: ctypes.CDLL) -> None:
 
 LIBRARY = library("cpu_trips", _setup)
 
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# a prototype of its own (setting argtypes on ctypes.pythonapi's would change it for every user)
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+MAX_INPUTS = 256  # the C++ loop's (MAX_INPUTS in _cpu_trips.cpp)
 
 
 def _address(fn: Callable) -> int:
@@ -85,11 +87,13 @@ def available() -> str | None:
 
 
 def run(entry: int, inputs: Sequence[Tensor], resume: Callable, ctx: int, waiting: int, pending: Tensor,
-        max_trips: int) -> tuple[int, int, bool]:
-    """Up to ``max_trips`` trips: the graph at ``entry`` on ``inputs`` (its arguments, the positions
-    among them a view of ``pending``), then ``resume(ctx, E, grad, pending)`` (a ctypes function of a
-    kernel), until ``resume`` returns 0 or less. Returns ``(waiting, trips made, failed)``; on a
-    failure the trip was not made (the caller makes it in Python, where the error has its message).
+        max_trips: int, max_s: float = 0.05) -> tuple[int, int, bool]:
+    """Up to ``max_trips`` trips, or as many as fit in ``max_s`` seconds (the last one started before
+    then): the graph at ``entry`` on ``inputs`` (its arguments, the positions among them a view of
+    ``pending``), then ``resume(ctx, E, grad, pending)`` (a ctypes function of a kernel), until
+    ``resume`` returns 0 or less. Returns ``(waiting, trips made, failed)``; on a failure the trip was
+    not made (the caller makes it in Python, where the error has its message). A graph that fails
+    with a Python error set (an operation it calls back into Python for) raises it from here.
     The caller has checked that :func:`available` is ``None``, that ``entry`` is a C++-wrapper graph's
     (:func:`fnebm._inductor.cpp_entry`) of these inputs, and that its two outputs are what ``resume``
     reads (contiguous float32 of the chains' sizes: fixed by the graph)."""
@@ -98,7 +102,7 @@ def run(entry: int, inputs: Sequence[Tensor], resume: Callable, ctx: int, waitin
     try:
         handles = (ctypes.c_void_p * len(templates))(*[_capsule_pointer(c, None) for c in templates])
         args = _Args(entry, new_handle, delete, data_ptr, len(templates), ctypes.cast(handles, ctypes.c_void_p),
-                     _address(resume), ctx, pending.data_ptr())
+                     _address(resume), ctx, pending.data_ptr(), int(max_s * 1e9))
         trips, error = ctypes.c_int64(0), ctypes.c_int32(0)
         waiting = _trips_fn(ctypes.byref(args), waiting, max_trips, ctypes.byref(trips), ctypes.byref(error))
     finally:

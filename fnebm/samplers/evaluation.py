@@ -518,9 +518,13 @@ def _entry(compiled: Callable, args: tuple, out: Any) -> int | None:
 
     from fnebm import _inductor
 
+    from fnebm.kernels import cpu_trips
+
     if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.is_cpu and o.is_contiguous()
                for o in out):
         return None
+    if not (all(isinstance(a, torch.Tensor) and a.is_cpu for a in args) and len(args) <= cpu_trips.MAX_INPUTS):
+        return None  # the C++ loop passes tensor handles, at most MAX_INPUTS
     if not _native_trips():
         return None
     return _inductor.cpp_entry(compiled, len(args))
