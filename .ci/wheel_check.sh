@@ -2,7 +2,7 @@
 # The wheel works outside the checkout: build it, install it into a fresh venv in a temporary
 # folder, and check there that the C libraries the build compiled (setup.py's step) load with
 # nothing built (a fresh FNEBM_CACHE_DIR stays empty); that with them passed over
-# (FNEBM_PREBUILT=0) both C kernels build from the files the wheel ships (a fresh FNEBM_CACHE_DIR,
+# (FNEBM_PREBUILT=0) the C kernels (and the C++ trips) build from the files the wheel ships (a fresh FNEBM_CACHE_DIR,
 # so nothing built from the checkout is reused), run, and agree with their twins; and that
 # `fnebm demo` takes the C kernel. About 40 s on 2 cores.
 #
@@ -36,11 +36,11 @@ import torch
 
 import fnebm
 from fnebm import _cbuild, _random_cpu, random as fr
-from fnebm.kernels import cpu_chain, cpu_nuts
+from fnebm.kernels import cpu_chain, cpu_nuts, cpu_trips
 
 where = os.path.realpath(fnebm.__file__)
 assert where.startswith(os.path.realpath(sys.prefix) + os.sep), f"fnebm was imported from {where}, not the venv"
-libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY)
+libraries = (_random_cpu.LIBRARY, cpu_chain.LIBRARY, cpu_nuts.LIBRARY, cpu_trips.LIBRARY)
 assert sorted(lib.stem for lib in libraries) == sorted(_cbuild.LIBRARIES)
 for lib in libraries:
     assert lib.load() is not None, f"{lib.stem} did not load: {lib.why}"
@@ -61,7 +61,7 @@ import torch
 
 import fnebm
 from fnebm import energies, random as fr
-from fnebm.kernels import cpu_chain, cpu_nuts
+from fnebm.kernels import cpu_chain, cpu_nuts, cpu_trips
 
 where = os.path.realpath(fnebm.__file__)
 assert where.startswith(os.path.realpath(sys.prefix) + os.sep), f"fnebm was imported from {where}, not the venv"
@@ -69,6 +69,9 @@ for name, module in (("cpu_chain", cpu_chain), ("cpu_nuts", cpu_nuts)):
     why = module.available()
     assert why is None, f"{name} did not build from the installed wheel: {why}"
     assert module.build_seconds() > 0, f"{name} was not built now (FNEBM_CACHE_DIR is not fresh)"
+# the NUTS kernel's trips in C++ (a .cpp source the wheel ships)
+assert cpu_trips.available() is None, f"cpu_trips did not build from the installed wheel: {cpu_trips.available()}"
+assert cpu_trips.LIBRARY.build_s > 0, "cpu_trips was not built now (FNEBM_CACHE_DIR is not fresh)"
 # the eager draws' C library (fnebm.random falls back to NumPy without a word if it cannot build)
 from fnebm import _random_cpu
 assert _random_cpu.load() is not None, f"cpu_random did not build from the installed wheel: {_random_cpu.LIBRARY.why}"
