@@ -44,9 +44,9 @@ run.
 Compiled on the CPU, the graph is built with Inductor's C++ wrapper (:data:`CPP_WRAPPER`), and a
 kernel's loop on it calls the graph's C++ entry without Python between trips (:meth:`Evaluate.native`,
 :mod:`fnebm.kernels.cpu_trips`). A compile that fails (an energy Dynamo cannot trace) is warned of
-once and the evaluations stay eager. One evaluator is kept per energy object (the last 16, which it keeps alive with their
-data), so the warm-up's samplers, rebuilt at every iteration, and the sampling after it share
-its compiled code and its clock.
+once and the evaluations stay eager. One evaluator is kept per energy object (the last 16, which
+it keeps alive with their data), so the warm-up's samplers, rebuilt at every iteration, and the
+sampling after it share its compiled code and its clock.
 """
 
 from __future__ import annotations
@@ -517,7 +517,6 @@ def _entry(compiled: Callable, args: tuple, out: Any) -> int | None:
     import torch
 
     from fnebm import _inductor
-
     from fnebm.kernels import cpu_trips
 
     if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.is_cpu and o.is_contiguous()
