@@ -3,9 +3,9 @@
 imports only torch); :mod:`fnebm.kernels._cbuild` is another name for this module.
 
 A :class:`CLibrary` is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
-this machine's CPU (a ``.cpp`` source as C++: the compiler driver takes the language from the suffix,
-and the library is linked with libstdc++), its objects in parallel, into ``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm``
-(falling back to a per-user temporary folder) under a name that hashes the sources, the flags,
+this machine's CPU (a ``.cpp`` source as C++: the compiler driver takes the language from the
+suffix, and the library is linked with libstdc++), its objects in parallel, into
+``$FNEBM_CACHE_DIR`` or ``~/.cache/fnebm`` (falling back to a per-user temporary folder) under a name that hashes the sources, the flags,
 the compiler (its ``--version``, remembered there too: :func:`compiler_version`), the CPU and
 torch's version; later processes load it from there. The build is
 atomic (compiled beside the target, then renamed) and holds a file lock, so concurrent processes

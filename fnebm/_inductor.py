@@ -720,14 +720,15 @@ _SKINNY_RATIO = 4
 # A CPU matrix product with an inner dimension of at most _THIN_K (a network's layer on 2-D inputs) runs
 # as _THIN_K products of a column by a row, added: elementwise code that Inductor fuses into the kernel
 # reading the product (the layer's bias and activation), where MKL took 45-66 us for 1,024 x 2 x 128 (AVX2,
-# one thread); and one with one output column and a longer inner dimension (an energy's last layer, h @ w)
-# as a row-wise dot product, a reduction Inductor fuses with the kernel that makes h (MKL: 24-38 us for
-# 1,024 x 128 x 1). Both sum in another order than MKL: the same values to float rounding.
+# one thread); one with one output column and a longer inner dimension (an energy's last layer, h @ w)
+# as a row-wise dot product, and one with at most _THIN_MN output rows or columns (the gradient's
+# pullback through a 2-D input layer) as a broadcast product summed over the inner dimension: reductions
+# Inductor fuses with the kernel that makes their operand (MKL: 24-38 us for 1,024 x 128 x 1), taken
+# only where the inner dimension is contiguous in both operands. They sum in another order than MKL:
+# the same values to float rounding.
 _THIN_K = 4
-THIN_PRODUCTS = True  # False: thin products stay library calls (the switch; it enters the pass's uuid)
-
-
 _THIN_MN = 2
+THIN_PRODUCTS = True  # False: thin products stay library calls (the switch; it enters the pass's uuid)
 
 
 def _thin_mm(graph: torch.fx.Graph, node: torch.fx.Node, a: torch.fx.Node, b: torch.fx.Node, vals: list,
@@ -737,12 +738,9 @@ def _thin_mm(graph: torch.fx.Graph, node: torch.fx.Node, a: torch.fx.Node, b: to
     (m, k), n = vals[0].shape, vals[2].shape[1]
     if not THIN_PRODUCTS or not all(isinstance(v, int) for v in (m, k, n)) or m * n * k == 0:
         return False
-    made = []
-
     def call(op, *args):
         out = graph.call_function(op, args)
         out.meta["val"] = op(*[x.meta["val"] if isinstance(x, torch.fx.Node) else x for x in args])
-        made.append(out)
         return out
 
     if k <= _THIN_K:
