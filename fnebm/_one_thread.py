@@ -24,38 +24,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["GRAIN", "views", "tensor", "axpy", "euler_maruyama", "mala_diff", "rows_finite"]
+__all__ = ["GRAIN", "C_MIN", "views", "plain", "tensor", "axpy", "euler_maruyama", "mala_diff", "rows_finite"]
 
 GRAIN = 32768  # torch's internal grain size: below it an elementwise operation runs on one thread anyway
+# The C helpers from this many values up (below GRAIN too: one call in place of torch's two to four
+# operations, each a dispatch of several microseconds; 10,000 chains of a 2-D position: Langevin's
+# update about 25 against 60 us)
+C_MIN = 1024
 
 
-def views(*tensors: Tensor):
-    """NumPy views of ``tensors`` when the first has at least :data:`GRAIN` values and every one is an
-    eager plain CPU float32/float64 tensor of the first's dtype that autograd does not track, each
-    either contiguous of the first's shape or a smaller one that broadcasts to it (a per-chain or
-    0-dim parameter), and nothing intercepts torch's operations (a ``torch.func`` transform, a
-    compile, forward-mode AD, a dispatch or torch-function mode: ``make_fx`` would bake a NumPy
-    result into its graph); else ``None`` (the caller runs torch's operations)."""
-    first = tensors[0]
-    if type(first) is not Tensor or first.numel() < GRAIN or not first.is_contiguous() or _intercepted():
+def views(*tensors: Tensor, min_size: int = GRAIN):
+    """NumPy views of ``tensors`` when :func:`plain` allows (at least ``min_size`` values, GRAIN by
+    default); else ``None`` (the caller runs torch's operations)."""
+    if not plain(*tensors, min_size=min_size):
         return None
-    dtype, shape, size = first.dtype, first.shape, first.numel()
-    if dtype not in (torch.float32, torch.float64):
-        return None
-    for t in tensors:
-        if (type(t) is not Tensor or t.device.type != "cpu" or t.dtype != dtype or t.requires_grad
-                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
-            return None
-        if t.shape == shape:
-            if not t.is_contiguous():
-                return None
-        elif t.numel() >= size or t.dim() > len(shape) or any(
-                d != 1 and d != shape[i] for i, d in enumerate(t.shape, len(shape) - t.dim())):
-            return None  # not a smaller operand that broadcasts to the first's shape
     try:
         return tuple(t.numpy() for t in tensors)
-    except RuntimeError:  # a tensor NumPy cannot view (a lazy negation), or no NumPy
+    except RuntimeError:  # no NumPy
         return None
+
+
+def plain(*tensors: Tensor, min_size: int = GRAIN) -> bool:
+    """Whether the first of ``tensors`` has at least ``min_size`` values and every one is an eager plain
+    CPU float32/float64 tensor of the first's dtype that autograd does not track and that is not a lazy
+    negation, each either contiguous of the first's shape or a smaller one that broadcasts to it (a
+    per-chain or 0-dim parameter), and nothing intercepts torch's operations (a ``torch.func``
+    transform, a compile, forward-mode AD, a dispatch or torch-function mode: ``make_fx`` would bake a
+    NumPy or C result into its graph). The C helpers read such tensors' memory through their data
+    pointers (checked here without making NumPy views: 5 tensors' views cost about 10 us)."""
+    first = tensors[0]
+    if type(first) is not Tensor or first.numel() < min_size or not first.is_contiguous() or _intercepted():
+        return False
+    dtype, shape, size = first.dtype, first.shape, first.numel()
+    if dtype not in (torch.float32, torch.float64):
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for t in tensors:
+        if type(t) is not Tensor or not t.is_cpu or t.dtype != dtype or t.requires_grad or t.is_neg() or wrapped(t):
+            return False
+        if t.shape == shape:
+            if not t.is_contiguous():
+                return False
+        elif t.numel() >= size or t.dim() > len(shape) or any(
+                d != 1 and d != shape[i] for i, d in enumerate(t.shape, len(shape) - t.dim())):
+            return False  # not a smaller operand that broadcasts to the first's shape
+    return True
 
 
 _MODE_KEYS = None  # the infrastructure's dispatch-mode keys (fake, proxy, functional), looked up once
@@ -86,10 +99,7 @@ def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor, lib=None) -> Tensor:
     """``y + a * x`` (``sign`` 1) or ``y - a * x`` (``sign`` -1), as torch's two operations compute it:
     in one C pass of ``lib`` (fnebm's draws library, when the caller passes it) or in NumPy, on one
     thread, where :func:`views` allows; else torch's operations."""
-    arrays = views(y, a, x)
-    if arrays is None:
-        return y + a * x if sign > 0 else y - a * x
-    if lib is not None and _C and x.shape == y.shape and isinstance(a, Tensor):
+    if lib is not None and _C and x.shape == y.shape and isinstance(a, Tensor) and plain(y, a, x, min_size=C_MIN):
         ra = _rows(a, y)
         if ra is not None:
             out = torch.empty_like(y)
@@ -97,6 +107,9 @@ def axpy(y: Tensor, sign: float, a: Tensor, x: Tensor, lib=None) -> Tensor:
             step(ra[0], y.numel() // ra[0], y.data_ptr(), 1 if sign > 0 else -1, a.data_ptr(), ra[1], x.data_ptr(),
                  out.data_ptr())
             return out
+    arrays = views(y, a, x)
+    if arrays is None:
+        return y + a * x if sign > 0 else y - a * x
     import numpy as np
 
     yn, an, xn = arrays
@@ -131,7 +144,7 @@ def euler_maruyama(lib, x: Tensor, step_size: Tensor, grad: Tensor, scale: Tenso
     ``None``) with torch's bits (each operation rounded once), or ``None`` where it does not apply
     (then :func:`axpy` twice)."""
     if (lib is None or not _C or grad.shape != x.shape or noise.shape != x.shape
-            or views(x, step_size, grad, scale, noise) is None):
+            or not plain(x, step_size, grad, scale, noise, min_size=C_MIN)):
         return None
     rh, rc = _rows(step_size, x), _rows(scale, x)
     if rh is None or rc is None:
@@ -150,7 +163,7 @@ def mala_diff(lib, x: Tensor, proposal: Tensor, grad: Tensor, new_grad: Tensor, 
     """MALA's ``f * f - b * b`` with ``f = (proposal - x) + h grad``, ``b = (x - proposal) + h new_grad``
     (each operation rounded once) in one C pass of ``lib``, or ``None`` where it does not apply."""
     if (lib is None or not _C or not (proposal.shape == grad.shape == new_grad.shape == x.shape)
-            or views(x, proposal, grad, new_grad, h) is None):
+            or not plain(x, proposal, grad, new_grad, h, min_size=C_MIN)):
         return None
     rh = _rows(h, x)
     if rh is None:

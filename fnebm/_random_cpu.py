@@ -30,6 +30,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         getattr(lib, f"fnebm_em_{t}").restype = None
         getattr(lib, f"fnebm_rows_finite_{t}").argtypes = [i64, i64, ptr, ptr]
         getattr(lib, f"fnebm_rows_finite_{t}").restype = None
+        getattr(lib, f"fnebm_all_finite_{t}").argtypes = [i64, ptr]
+        getattr(lib, f"fnebm_all_finite_{t}").restype = c_int
         getattr(lib, f"fnebm_axpy_{t}").argtypes = [i64, i64, ptr, c_int, ptr, i64, ptr, ptr]
         getattr(lib, f"fnebm_axpy_{t}").restype = None
         getattr(lib, f"fnebm_mala_diff_{t}").argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]

@@ -209,9 +209,9 @@ def _c_library():
 
 
 def _c_helpers(x: torch.Tensor):
-    """The C library for the eager samplers' elementwise helpers (:mod:`fnebm._one_thread`) on ``x``: a
-    large eager CPU tensor (at least ``_one_thread.GRAIN`` values) outside any transform; else ``None``."""
-    if (type(x) is not torch.Tensor or x.device.type != "cpu" or x.numel() < _one_thread.GRAIN or not _C_EAGER
+    """The C library for the eager samplers' elementwise helpers (:mod:`fnebm._one_thread`) on ``x``: an
+    eager CPU tensor of at least ``_one_thread.C_MIN`` values outside any transform; else ``None``."""
+    if (type(x) is not torch.Tensor or x.device.type != "cpu" or x.numel() < _one_thread.C_MIN or not _C_EAGER
             or _one_thread._intercepted()):
         return None
     return _c_library()

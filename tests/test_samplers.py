@@ -234,6 +234,50 @@ def test_euler_maruyama_on_one_thread_gives_torchs_bits(dtype, per_chain):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_small_eager_state_takes_the_c_update_with_torchs_bits(dtype):
+    # below torch's grain size (NumPy's passes are not worth it there) the C helpers still replace torch's
+    # two to four operations: 5,000 chains of a 2-D position; a lazily negated operand steps aside (C would
+    # read its memory un-negated)
+    from fnebm import _one_thread
+    from fnebm import random as fr
+    from fnebm.integrators import diffusion
+
+    g = torch.Generator().manual_seed(1)
+    x, grad, noise = (torch.randn(5000, 2, generator=g, dtype=dtype) for _ in range(3))
+    h, s = torch.tensor(0.01, dtype=dtype), torch.tensor(0.05, dtype=dtype)
+    assert _one_thread.C_MIN <= x.numel() < _one_thread.GRAIN
+    lib = fr._c_helpers(x)
+    assert lib is not None and fr._c_helpers(x[:10]) is None  # a handful of values: torch's operations
+    scale = s * (2.0 * h).sqrt()
+    want = x - h * grad + scale * noise
+    assert torch.equal(_one_thread.euler_maruyama(lib, x, h, grad, scale, noise), want)
+    assert torch.equal(diffusion.euler_maruyama(x, grad, h, noise, s), want)
+    assert torch.equal(_one_thread.axpy(x, -1.0, h, grad, lib), x - h * grad)
+    assert _one_thread.views(x, grad) is None  # NumPy's passes: from the grain size only
+    negated = torch._neg_view(noise)
+    assert negated.is_neg() and not _one_thread.plain(x, h, grad, scale, negated, min_size=1)
+    assert _one_thread.euler_maruyama(lib, x, h, grad, scale, negated) is None
+    assert torch.equal(diffusion.euler_maruyama(x, grad, h, negated, s), x - h * grad + scale * (-noise))
+
+
+def test_the_divergence_check_of_finite_values_looks_at_no_row(monkeypatch):
+    # every value finite (every step but a divergent one's): one flat C pass a tensor, all true
+    from fnebm import _one_thread
+    from fnebm.samplers.base import all_finite
+
+    monkeypatch.setattr(_one_thread, "rows_finite", lambda *a: pytest.fail("a row was looked at"))
+    e, a = torch.randn(3, 7), torch.randn(3, 7, 4)
+    got = all_finite(e, a, a.double().float(), n_batch=2)
+    assert got.dtype == torch.bool and got.shape == (3, 7) and bool(got.all())
+    assert all_finite(e[0, 0], a[0, 0], n_batch=0).shape == ()
+    a[1, 2, 3] = math.nan  # then the rows say which chain
+    monkeypatch.undo()
+    want = torch.ones(3, 7, dtype=torch.bool)
+    want[1, 2] = False
+    assert torch.equal(all_finite(e, a, n_batch=2), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("width", [2000, 2, 15, 16])  # short rows (under 16) take the C helper's flat loop
 def test_the_divergence_checks_rows_in_c_give_numpys_answer(dtype, width):
     from fnebm import _one_thread

@@ -77,40 +77,46 @@ static inline __attribute__((always_inline)) void run_block(const args_t *a, int
     const int64_t trace_stride = n_chains * d;
     for (int64_t s = 0; s < a->n_total; s++) {
         const uint64_t t = (uint64_t)(a->start + s);
-        uint32_t sk0[CB], sk1[CB];
-#pragma omp simd
+        uint32_t sk0[CB], sk1[CB], w[4][CB];
         for (int j = 0; j < CB; j++) { /* fold_in(key, t) */
-            uint32_t w0 = (uint32_t)t, w1 = (uint32_t)(t >> 32), w2 = FOLD_TAG, w3 = 0;
-            PHILOX(w0, w1, w2, w3, k0[j], k1[j]);
-            sk0[j] = w0;
-            sk1[j] = w1;
+            w[0][j] = (uint32_t)t;
+            w[1][j] = (uint32_t)(t >> 32);
+            w[2][j] = FOLD_TAG;
+            w[3][j] = 0;
         }
+        philox_lanes(w, k0, k1);
+        memcpy(sk0, w[0], sizeof sk0);
+        memcpy(sk1, w[1], sizeof sk1);
         if (mala) { /* split(key): words 0-1 the noise's key, 2-3 the uniform's; log uniform(k1, ()) */
+            for (int j = 0; j < CB; j++) {
+                w[0][j] = w[1][j] = w[3][j] = 0;
+                w[2][j] = SPLIT_TAG;
+            }
+            philox_lanes(w, sk0, sk1);
+            uint32_t uk0[CB], uk1[CB], v[4][CB];
+            memcpy(sk0, w[0], sizeof sk0);
+            memcpy(sk1, w[1], sizeof sk1);
+            memcpy(uk0, w[2], sizeof uk0);
+            memcpy(uk1, w[3], sizeof uk1);
+            memset(v, 0, sizeof v);
+            philox_lanes(v, uk0, uk1);
 #pragma omp simd
             for (int j = 0; j < CB; j++) {
-                uint32_t w0 = 0, w1 = 0, w2 = SPLIT_TAG, w3 = 0;
-                PHILOX(w0, w1, w2, w3, sk0[j], sk1[j]);
-                uint32_t v0 = 0, v1 = 0, v2 = 0, v3 = 0;
-                PHILOX(v0, v1, v2, v3, w2, w3);
-                float u = to_unit(v0);
+                float u = to_unit(v[0][j]);
                 uint32_t is0 = 0u - (uint32_t)(u == 0.0f); /* log 0 = -inf */
                 logu[j] = as_f32((as_u32(vlogf(u)) & ~is0) | (as_u32(-INFINITY) & is0));
-                sk0[j] = w0;
-                sk1[j] = w1;
             }
         }
         for (int64_t b = 0; b < m; b++) { /* normal(key, (d,)): Philox block b, lanes to b, b + m, ... */
-            uint32_t q0[CB], q1[CB], q2[CB], q3[CB];
+            uint32_t q[4][CB];
             float o0[CB], o1[CB], o2[CB], o3[CB];
-#pragma omp simd
             for (int j = 0; j < CB; j++) {
-                uint32_t w0 = (uint32_t)b, w1 = (uint32_t)((uint64_t)b >> 32), w2 = 0, w3 = 0;
-                PHILOX(w0, w1, w2, w3, sk0[j], sk1[j]);
-                q0[j] = w0;
-                q1[j] = w1;
-                q2[j] = w2;
-                q3[j] = w3;
+                q[0][j] = (uint32_t)b;
+                q[1][j] = (uint32_t)((uint64_t)b >> 32);
+                q[2][j] = q[3][j] = 0;
             }
+            philox_lanes(q, sk0, sk1);
+            const uint32_t *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
 #pragma omp simd
             for (int j = 0; j < CB; j++) { /* Box-Muller on lanes (0, 1) and (2, 3) */
                 float r0 = sqrtf(-2.0f * vlogf(floor_unit(to_unit(q0[j]))));

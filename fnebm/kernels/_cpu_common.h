@@ -49,6 +49,60 @@
         PHILOX_2(c0, c1, c2, c3, _k0, _k1);                                                                  \
     } while (0)
 
+/* Philox4x32-10 on CB lanes of words in place: w[0..3][i] is lane i's counter in, its block out;
+ * k0[i], k1[i] its key. The same words as PHILOX lane by lane. On AVX2 (without AVX-512, where GCC's
+ * own vectorisation of PHILOX already uses 64-bit lanes in 512-bit registers), eight lanes a register
+ * with the 32 x 32 -> 64-bit products of even and odd lanes (vpmuludq) taken apart by blends: GCC
+ * vectorises PHILOX in four 64-bit lanes, about twice as slow (10,000 fold_ins: 92 us against 41). */
+#if defined(__AVX2__) && !defined(__AVX512F__) && (CB % 8 == 0)
+#include <immintrin.h>
+#define FNEBM_PHILOX_AVX2 1
+static inline __attribute__((always_inline)) void philox_mul8(__m256i a, __m256i m, __m256i *lo, __m256i *hi) {
+    __m256i even = _mm256_mul_epu32(a, m);                        /* lanes 0, 2, 4, 6 as 64-bit products */
+    __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m); /* lanes 1, 3, 5, 7 */
+    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+static inline __attribute__((always_inline)) void philox8(__m256i *c0, __m256i *c1, __m256i *c2, __m256i *c3,
+                                                          __m256i k0, __m256i k1) {
+    const __m256i ra = _mm256_set1_epi32((int)ROUND_A), rb = _mm256_set1_epi32((int)ROUND_B);
+    const __m256i ka = _mm256_set1_epi32((int)KEY_A), kb = _mm256_set1_epi32((int)KEY_B);
+    for (int r = 0; r < 10; r++) {
+        __m256i lo0, hi0, lo1, hi1;
+        philox_mul8(*c0, ra, &lo0, &hi0);
+        philox_mul8(*c2, rb, &lo1, &hi1);
+        const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, *c1), k0);
+        const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, *c3), k1);
+        *c1 = lo1;
+        *c3 = lo0;
+        *c0 = n0;
+        *c2 = n2;
+        k0 = _mm256_add_epi32(k0, ka);
+        k1 = _mm256_add_epi32(k1, kb);
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void philox_lanes(uint32_t w[4][CB], const uint32_t k0[CB],
+                                                               const uint32_t k1[CB]) {
+#ifdef FNEBM_PHILOX_AVX2
+    for (int i = 0; i < CB; i += 8) {
+        __m256i c0 = _mm256_loadu_si256((const __m256i *)(w[0] + i)), c1 = _mm256_loadu_si256((const __m256i *)(w[1] + i));
+        __m256i c2 = _mm256_loadu_si256((const __m256i *)(w[2] + i)), c3 = _mm256_loadu_si256((const __m256i *)(w[3] + i));
+        philox8(&c0, &c1, &c2, &c3, _mm256_loadu_si256((const __m256i *)(k0 + i)),
+                _mm256_loadu_si256((const __m256i *)(k1 + i)));
+        _mm256_storeu_si256((__m256i *)(w[0] + i), c0);
+        _mm256_storeu_si256((__m256i *)(w[1] + i), c1);
+        _mm256_storeu_si256((__m256i *)(w[2] + i), c2);
+        _mm256_storeu_si256((__m256i *)(w[3] + i), c3);
+    }
+#else
+#pragma omp simd
+    for (int i = 0; i < CB; i++)
+        PHILOX(w[0][i], w[1][i], w[2][i], w[3][i], k0[i], k1[i]);
+#endif
+}
+
 static inline uint32_t as_u32(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);

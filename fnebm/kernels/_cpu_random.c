@@ -32,12 +32,10 @@ static inline int bad_keys(int64_t n_keys, const int64_t *k0, const int64_t *k1,
 
 enum { UNIFORM = 0, NORMAL_ONE_PAIR = 1, NORMAL_TWO_PAIRS = 2 };
 
-/* the four values of Philox block b under (k0, k1), float32: units, or Box-Muller on lanes (0, 1)
- * and, with NORMAL_TWO_PAIRS, (2, 3) (lanes that are never stored need not be computed) */
-static inline __attribute__((always_inline)) void block_f32(const int mode, uint32_t k0, uint32_t k1, uint64_t b,
-                                                            float *o0, float *o1, float *o2, float *o3) {
-    uint32_t w0 = (uint32_t)b, w1 = (uint32_t)(b >> 32), w2 = 0, w3 = 0;
-    PHILOX(w0, w1, w2, w3, k0, k1);
+/* the four values of a Philox block's words (w0, w1, w2, w3), float32: units, or Box-Muller on lanes
+ * (0, 1) and, with NORMAL_TWO_PAIRS, (2, 3) (lanes that are never stored need not be computed) */
+static inline __attribute__((always_inline)) void block_f32(const int mode, uint32_t w0, uint32_t w1, uint32_t w2,
+                                                            uint32_t w3, float *o0, float *o1, float *o2, float *o3) {
     if (mode == UNIFORM) {
         *o0 = to_unit(w0);
         *o1 = to_unit(w1);
@@ -70,10 +68,8 @@ static inline double to_unit64(uint32_t w) {
 
 /* float64: the same bits scaled by 2**-31 in float64; Box-Muller in float64 with the C library's
  * log, sin and cos (as the torch path: u1 floored at 1e-7, th = 2 pi u2) */
-static inline __attribute__((always_inline)) void block_f64(const int mode, uint32_t k0, uint32_t k1, uint64_t b,
-                                                            double *o0, double *o1, double *o2, double *o3) {
-    uint32_t w0 = (uint32_t)b, w1 = (uint32_t)(b >> 32), w2 = 0, w3 = 0;
-    PHILOX(w0, w1, w2, w3, k0, k1);
+static inline __attribute__((always_inline)) void block_f64(const int mode, uint32_t w0, uint32_t w1, uint32_t w2,
+                                                            uint32_t w3, double *o0, double *o1, double *o2, double *o3) {
     if (mode == UNIFORM) {
         *o0 = to_unit64(w0);
         *o1 = to_unit64(w1);
@@ -111,11 +107,19 @@ static inline __attribute__((always_inline)) void block_f64(const int mode, uint
             _Pragma("omp parallel for num_threads(threads) if (par) schedule(static)")                        \
             for (int64_t t = 0; t < tasks; t++) {                                                             \
                 const int64_t j = t / chunks, b0 = (t % chunks) * CB;                                         \
-                const uint32_t kk0 = (uint32_t)k0[j * ks], kk1 = (uint32_t)k1[j * ks];                        \
+                uint32_t kk0[CB], kk1[CB], w[4][CB];                                                          \
+                for (int i = 0; i < CB; i++) {                                                                \
+                    kk0[i] = (uint32_t)k0[j * ks];                                                            \
+                    kk1[i] = (uint32_t)k1[j * ks];                                                            \
+                    w[0][i] = (uint32_t)(b0 + i);                                                             \
+                    w[1][i] = (uint32_t)((uint64_t)(b0 + i) >> 32);                                           \
+                    w[2][i] = w[3][i] = 0;                                                                    \
+                }                                                                                             \
+                philox_lanes(w, kk0, kk1);                                                                    \
                 T o[4][CB];                                                                                   \
                 _Pragma("omp simd")                                                                           \
                 for (int i = 0; i < CB; i++)                                                                  \
-                    BLOCK(mode, kk0, kk1, (uint64_t)(b0 + i), &o[0][i], &o[1][i], &o[2][i], &o[3][i]);        \
+                    BLOCK(mode, w[0][i], w[1][i], w[2][i], w[3][i], &o[0][i], &o[1][i], &o[2][i], &o[3][i]);  \
                 T *row = out + j * n;                                                                         \
                 const int64_t live = m - b0 < CB ? m - b0 : CB;                                               \
                 for (int lane = 0; lane < 4; lane++) {                                                        \
@@ -138,10 +142,17 @@ static inline __attribute__((always_inline)) void block_f64(const int mode, uint
                     kk1[i] = (uint32_t)k1[j * ks];                                                            \
                 }                                                                                             \
                 for (int64_t b = 0; b < m; b++) {                                                             \
+                    uint32_t w[4][CB];                                                                        \
+                    for (int i = 0; i < CB; i++) {                                                            \
+                        w[0][i] = (uint32_t)b;                                                                \
+                        w[1][i] = (uint32_t)((uint64_t)b >> 32);                                              \
+                        w[2][i] = w[3][i] = 0;                                                                \
+                    }                                                                                         \
+                    philox_lanes(w, kk0, kk1);                                                                \
                     T o[4][CB];                                                                               \
                     _Pragma("omp simd")                                                                       \
                     for (int i = 0; i < CB; i++)                                                              \
-                        BLOCK(mode, kk0[i], kk1[i], (uint64_t)b, &o[0][i], &o[1][i], &o[2][i], &o[3][i]);     \
+                        BLOCK(mode, w[0][i], w[1][i], w[2][i], w[3][i], &o[0][i], &o[1][i], &o[2][i], &o[3][i]); \
                     for (int lane = 0; lane < 4; lane++) {                                                    \
                         const int64_t e = lane * m + b;                                                       \
                         if (e >= n)                                                                           \
@@ -167,6 +178,9 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
  * writes whether each row of x' is finite (finite[r] = 0/1), when finite is not NULL.
  *
  * rows_finite: finite[r] &= every value of row r is finite.
+ *
+ * all_finite: whether every one of the n values is finite (one flat pass: the common case, before
+ * any row is looked at).
  *
  * axpy: out = y + sign (a x) (sign +1 or -1: y - a x), the leapfrog's momentum and position
  * steps, each operation rounded once; a is one value (stride 0) or one per row (stride 1).
@@ -238,6 +252,16 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
                 o[i] = ff - bb;                                                                               \
             }                                                                                                 \
         }                                                                                                     \
+    }                                                                                                         \
+    int fnebm_all_finite_##SUFFIX(int64_t n, const T *x) {                                                   \
+        UINT bad = 0;                                                                                         \
+        _Pragma("omp simd reduction(| : bad)")                                                                \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
+            UINT u;                                                                                           \
+            memcpy(&u, &x[i], sizeof u);                                                                      \
+            bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                        \
+        }                                                                                                     \
+        return !bad;                                                                                          \
     }                                                                                                         \
     void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
         if (n < 8) { /* short rows (a 2-D position): a scalar loop, no vector loop set up per row */          \
@@ -331,18 +355,32 @@ int fnebm_split(int64_t n_keys, const int64_t *k0, const int64_t *k1, int64_t ks
     const int64_t blocks = (num + 1) / 2;
     const int par = threads > 1 && n_keys * blocks >= PAR_BLOCKS;
     int64_t *first = out, *second = out + num * n_keys;
+    const int64_t pairs = blocks * n_keys, tasks = (pairs + CB - 1) / CB;
+    /* CB (block, key) pairs at a time, block-major (philox_lanes): vectorised over the keys, or over the
+     * blocks of one key */
 #pragma omp parallel for num_threads(threads) if (par) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int odd = 2 * b + 1 < num;
-#pragma omp simd
-        for (int64_t j = 0; j < n_keys; j++) {
-            uint32_t w0 = (uint32_t)b, w1 = (uint32_t)((uint64_t)b >> 32), w2 = SPLIT_TAG, w3 = 0;
-            PHILOX(w0, w1, w2, w3, (uint32_t)k0[j * ks], (uint32_t)k1[j * ks]);
-            first[2 * b * n_keys + j] = w0;
-            second[2 * b * n_keys + j] = w1;
-            if (odd) {
-                first[(2 * b + 1) * n_keys + j] = w2;
-                second[(2 * b + 1) * n_keys + j] = w3;
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t p0 = t * CB;
+        const int live = pairs - p0 < CB ? (int)(pairs - p0) : CB;
+        uint32_t kk0[CB], kk1[CB], w[4][CB];
+        for (int i = 0; i < CB; i++) {
+            const int64_t p = i < live ? p0 + i : p0; /* past the end: any live pair, not stored */
+            const int64_t b = p / n_keys, j = p - b * n_keys;
+            kk0[i] = (uint32_t)k0[j * ks];
+            kk1[i] = (uint32_t)k1[j * ks];
+            w[0][i] = (uint32_t)b;
+            w[1][i] = (uint32_t)((uint64_t)b >> 32);
+            w[2][i] = SPLIT_TAG;
+            w[3][i] = 0;
+        }
+        philox_lanes(w, kk0, kk1);
+        for (int i = 0; i < live; i++) {
+            const int64_t p = p0 + i, b = p / n_keys, j = p - b * n_keys;
+            first[2 * b * n_keys + j] = w[0][i];
+            second[2 * b * n_keys + j] = w[1][i];
+            if (2 * b + 1 < num) {
+                first[(2 * b + 1) * n_keys + j] = w[2][i];
+                second[(2 * b + 1) * n_keys + j] = w[3][i];
             }
         }
     }
@@ -356,13 +394,27 @@ int fnebm_fold_in(int64_t n, const int64_t *k0, const int64_t *k1, int64_t ks, c
     if (bad_keys(n, k0, k1, ks))
         return 1;
     const int par = threads > 1 && n >= PAR_BLOCKS;
-#pragma omp parallel for simd num_threads(threads) if (par) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint64_t d = (uint64_t)data[i * ds];
-        uint32_t w0 = (uint32_t)d, w1 = (uint32_t)(d >> 32), w2 = FOLD_TAG, w3 = 0;
-        PHILOX(w0, w1, w2, w3, (uint32_t)k0[i * ks], (uint32_t)k1[i * ks]);
-        out[i] = w0;
-        out[n + i] = w1;
+    const int64_t tasks = (n + CB - 1) / CB; /* CB keys at a time (philox_lanes) */
+#pragma omp parallel for num_threads(threads) if (par) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t i0 = t * CB;
+        const int live = n - i0 < CB ? (int)(n - i0) : CB;
+        uint32_t kk0[CB], kk1[CB], w[4][CB];
+        for (int l = 0; l < CB; l++) {
+            const int64_t i = l < live ? i0 + l : i0; /* past the end: any live element, not stored */
+            const uint64_t d = (uint64_t)data[i * ds];
+            kk0[l] = (uint32_t)k0[i * ks];
+            kk1[l] = (uint32_t)k1[i * ks];
+            w[0][l] = (uint32_t)d;
+            w[1][l] = (uint32_t)(d >> 32);
+            w[2][l] = FOLD_TAG;
+            w[3][l] = 0;
+        }
+        philox_lanes(w, kk0, kk1);
+        for (int l = 0; l < live; l++) {
+            out[i0 + l] = w[0][l];
+            out[n + i0 + l] = w[1][l];
+        }
     }
     return 0;
 }
