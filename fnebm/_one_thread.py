@@ -14,7 +14,9 @@ compile, no tensor subclass): everywhere else the callers run torch's operations
 Euler–Maruyama's whole update, the leapfrog's steps, MALA's proposal densities' elementwise part and
 the rows' finiteness checks run in C where the caller passes fnebm's loaded draws library
 (:func:`euler_maruyama`, :func:`axpy`, :func:`mala_diff`, :func:`rows_finite`: one pass each, where
-NumPy made two to seven, the same bits; ``fnebm/kernels/_cpu_random.c``), else in NumPy.
+NumPy made two to seven, the same bits; ``fnebm/kernels/_cpu_random.c``), else in NumPy. The C
+helpers apply from :data:`C_MIN` values up (below the grain size too: one call in place of torch's
+operations, each a dispatch of several microseconds), NumPy's passes from :data:`GRAIN` up.
 
 Lowest layer: imports torch (and NumPy, on first use).
 """
