@@ -253,7 +253,7 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
-    int fnebm_all_finite_##SUFFIX(int64_t n, const T *x) {                                                   \
+    static inline UINT nonfinite_##SUFFIX(int64_t n, const T *x) { /* nonzero: some value is inf or NaN */   \
         UINT bad = 0;                                                                                         \
         _Pragma("omp simd reduction(| : bad)")                                                                \
         for (int64_t i = 0; i < n; i++) {                                                                     \
@@ -261,8 +261,9 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
             memcpy(&u, &x[i], sizeof u);                                                                      \
             bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                        \
         }                                                                                                     \
-        return !bad;                                                                                          \
+        return bad;                                                                                           \
     }                                                                                                         \
+    int fnebm_all_finite_##SUFFIX(int64_t n, const T *x) { return !nonfinite_##SUFFIX(n, x); }               \
     void fnebm_rows_finite_##SUFFIX(int64_t n_rows, int64_t n, const T *x, unsigned char *finite) {          \
         if (n < 8) { /* short rows (a 2-D position): a scalar loop, no vector loop set up per row */          \
             for (int64_t r = 0; r < n_rows; r++) {                                                            \
@@ -278,17 +279,8 @@ static inline int normal_mode(int64_t n) { return n > 2 * ((n + 3) / 4) ? NORMAL
             return;                                                                                           \
         }                                                                                                     \
         for (int64_t r = 0; r < n_rows; r++) {                                                                \
-            if (!finite[r])                                                                                   \
-                continue;                                                                                     \
-            const T *xr = x + r * n;                                                                          \
-            UINT bad = 0;                                                                                     \
-            _Pragma("omp simd reduction(| : bad)")                                                            \
-            for (int64_t i = 0; i < n; i++) {                                                                 \
-                UINT u;                                                                                       \
-                memcpy(&u, &xr[i], sizeof u);                                                                 \
-                bad |= (UINT)((u & EXP_MASK) == EXP_MASK);                                                    \
-            }                                                                                                 \
-            finite[r] = !bad;                                                                                 \
+            if (finite[r])                                                                                    \
+                finite[r] = !nonfinite_##SUFFIX(n, x + r * n);                                                \
         }                                                                                                     \
     }
 
