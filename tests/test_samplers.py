@@ -270,8 +270,11 @@ def test_the_divergence_check_of_finite_values_looks_at_no_row(monkeypatch):
     got = all_finite(e, a, a.double().float(), n_batch=2)
     assert got.dtype == torch.bool and got.shape == (3, 7) and bool(got.all())
     assert all_finite(e[0, 0], a[0, 0], n_batch=0).shape == ()
-    a[1, 2, 3] = math.nan  # then the rows say which chain
+    # a scalar of fewer axes than the batch broadcasts, as the rows' answer does (not its own shape)
     monkeypatch.undo()
+    square = torch.randn(7, 7, 4)
+    assert all_finite(e[0], square, n_batch=2).shape == (7, 7) and bool(all_finite(e[0], square, n_batch=2).all())
+    a[1, 2, 3] = math.nan  # then the rows say which chain
     want = torch.ones(3, 7, dtype=torch.bool)
     want[1, 2] = False
     assert torch.equal(all_finite(e, a, n_batch=2), want)

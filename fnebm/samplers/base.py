@@ -289,8 +289,9 @@ def _all_finite_numpy(scalar: Tensor, events: tuple[Tensor, ...], n_batch: int) 
                 or torch._C._functorch.is_functorch_wrapped_tensor(t)):
             return None
     lib = fr._c_library() if fr._C_EAGER else None
-    if (lib is not None and _one_thread._C
-            and all(t.dtype in _FLAT_CHECKS and t.is_contiguous() and t.shape[:scalar.ndim] == scalar.shape
+    # only where the scalar has the batch's shape (one of fewer axes broadcasts against the rows' answer)
+    if (lib is not None and _one_thread._C and scalar.ndim == n_batch
+            and all(t.dtype in _FLAT_CHECKS and t.is_contiguous() and t.shape[:n_batch] == scalar.shape
                     for t in (scalar, *events))):
         # every value finite (every step but a divergent one): one flat C pass a tensor, no row looked at
         # (10,000 chains of a 2-D position: the rows' checks took about 0.1 ms a step)
