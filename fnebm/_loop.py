@@ -95,8 +95,21 @@ def body(step: Callable, collect: Callable, keys: Tensor, state: Any, t: Tensor)
     return pytree.tree_map(_copy, state, new), (kept, pytree.tree_map(torch.clone, info))
 
 
-def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor, unroll: bool) -> tuple[Any, Any, Any]:
-    """The steps ``ts``: ``(state, kept (L, ...), info (L, ...))`` as pytrees."""
+def structure(kept: Any, info: Any) -> tuple[Any, Any, tuple[bool, ...]]:
+    """What the compiled loop needs to know of a step's outputs before it traces one: the trees of
+    ``collect(state)`` and of the info, and which info leaves are boolean. From one step run
+    before (eager, or as meta tensors); equal structures compare equal, so a compiled loop given
+    an equal one from another call compiles nothing new."""
+    return (pytree.tree_structure(kept), pytree.tree_structure(info),
+            tuple(x.dtype == torch.bool for x in pytree.tree_leaves(info)))
+
+
+def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor, unroll: bool,
+         known: tuple[Any, Any, tuple[bool, ...]] | None = None) -> tuple[Any, Any, Any]:
+    """The steps ``ts``: ``(state, kept (L, ...), info (L, ...))`` as pytrees.
+
+    ``known``: :func:`structure` of this step's outputs, when a step ran before (``sample_chain``'s
+    probe): the compiled loop then traces the step once, in its body, instead of once more first."""
     if unroll or not torch.compiler.is_compiling():
         outs = []
         for i in range(ts.shape[0]):
@@ -109,12 +122,15 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
     # output!"), and a state's fields often do (an eager NUTS step returns its position and
     # gradient as views of one stacked tensor; Inductor may return them as slices of one buffer)
     state = pytree.tree_map(torch.clone, state)
-    # scan carries and emits flat tuples of tensors only: learn the trees' structures from one
-    # traced step first (pure, unused: the compiler drops it)
-    probe, probe_info = step(state, fr.fold_in(keys, ts[0]))
-    specs = [pytree.tree_structure(x) for x in (state, collect(probe), probe_info)]
-
-    flags = [x.dtype == torch.bool for x in pytree.tree_leaves(probe_info)]
+    # scan carries and emits flat tuples of tensors only (a body's output may not be a NamedTuple, nor
+    # may it record its structure outside: "unsafe side effect"): the trees' structures are known from
+    # a step run before, or else learnt from one traced step first (pure, unused: the compiler drops
+    # it, but Dynamo and AOT autograd trace it, about a second of a neural energy's compile)
+    if known is None:
+        probe, probe_info = step(state, fr.fold_in(keys, ts[0]))
+        known = structure(collect(probe), probe_info)
+    specs = [pytree.tree_structure(state), known[0], known[1]]
+    flags = known[2]
 
     def flat_body(carry, t):
         new, (kept, info) = body(step, collect, keys, pytree.tree_unflatten(list(carry), specs[0]), t)

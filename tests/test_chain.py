@@ -380,3 +380,36 @@ def test_a_background_compile_that_fails_is_said_once_and_the_steps_stay_eager(m
     assert plans[-1].fallback and "compiles nothing" in plans[-1].fallback and not plans[-1].compiled
     third = fnebm.sample_chain(mala_alg.step, mala_state, fr.key(3), 6, **kw)  # said once: no warning now
     _close([first[1], third[1]], [second[1], second[1]])
+
+
+def test_the_compiled_loop_traces_the_step_once_in_its_body():
+    """sample_chain's probe step gives the compiled loop the structure of the step's outputs: the
+    step is traced once, inside the scan's body; the graph around it holds no copy of the step
+    (a traced probe step there cost Dynamo and AOT autograd about a second on a neural energy)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def energy(x):
+        return 0.5 * (x * x).sum(-1) + torch.sin(x).sum(-1)
+
+    alg = fnebm.langevin(energy, 0.01)
+    state = torch.func.vmap(alg.init)(torch.randn(8, 3, generator=torch.Generator().manual_seed(0)))
+    cache = fnebm.chain.RunnerCache(backend=backend, compile_estimate_s=0.0)
+    got = fnebm.sample_chain(alg.step, state, fr.key(0), 6, compile=True, cache=cache, progress=False)
+
+    def calls(gm):
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+    (gm,) = graphs
+    assert "scan" in calls(gm) and not any("sin" in c for c in calls(gm))
+    bodies = [m for _, m in gm.named_children() if isinstance(m, torch.fx.GraphModule)]
+    assert sum(any("sin" in c for c in calls(m)) for m in bodies) == 1  # the energy, in the body
+    want = fnebm.sample_chain(alg.step, state, fr.key(0), 6, compile=False, progress=False)
+    _close([got[0].state], [want[0].state])
+    # fnebm.chain.run inside a user's compiled function has no probe to learn from: it traces one
+    user = torch.compile(lambda s, k: fnebm.chain.run(alg.step, s, k, 3), fullgraph=True, backend="eager")
+    _close([user(state, fr.split(fr.key(0), 8))[0]],
+           [fnebm.chain.run(alg.step, state, fr.split(fr.key(0), 8), 3)[0]])

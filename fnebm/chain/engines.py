@@ -267,6 +267,7 @@ class TorchEngine:
         self.graph: _Graphed | None = None  # the eager step captured as a CUDA graph (see _graphed)
         self.between_chunks = between_chunks  # the caller's code runs between chunks (on_chunk): capture anew
         self.graph_failed: _GraphFailed | None = None  # why it could not be, in this call
+        self.known = None  # the structure of the step's outputs (_loop.structure), when a step ran before
 
     def first_size(self, chunk_size: int) -> int:
         per = self.ledger.step_s()
@@ -311,7 +312,7 @@ class TorchEngine:
                 torch._dynamo.mark_dynamic(ts, 0)
             failed = None
             try:
-                ran = self.run(self.step, self.collect, self.keys, self.state, ts)
+                ran = self.run(self.step, self.collect, self.keys, self.state, ts, self.known)
             except Exception as exc:  # noqa: BLE001 - a failed compile, or an error the eager steps raise too
                 failed = describe_failure(exc)
             if failed is None:

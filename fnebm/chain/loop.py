@@ -15,6 +15,7 @@ from fnebm._loop import (  # noqa: F401  (re-exported, private helpers included 
     position,
     position_and_energy,
     run,
+    structure,
 )
 
 __all__ = ["run", "position", "position_and_energy"]

@@ -100,10 +100,19 @@ def _static(value: Any, depth: int) -> Hashable:
     return ("object", type(value))
 
 
+_INNER = "Got graph break/error:"
+_IN_STEP = "in the step, inside the compiled loop:"
+
+
 def describe_failure(exc: BaseException) -> str:
     """One line saying why a compile failed: the exception's type and the first line of its message,
     the wrapped error's for Dynamo's ``BackendCompilerFailed`` (``"backend='inductor' raised:"``)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # what failed inside the compiled loop's body (the step): Dynamo's reason, not the loop's preamble
+    # ("This higher order operator doesn't work unless it is captured completely ... Got graph break/error:")
+    inner = next((i for i, line in enumerate(lines) if line.endswith(_INNER)), None)
+    if inner is not None and inner + 1 < len(lines):
+        lines = [f"{_IN_STEP} {lines[inner + 1]}"]
     text = lines[0] if lines else ""
     if text.endswith(":") and len(lines) > 1:
         text = f"{text} {lines[1]}"
@@ -111,11 +120,11 @@ def describe_failure(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _chunk(step, lifted, collect, keys, state, ts):
+def _chunk(step, lifted, collect, keys, state, ts, known):
     if lifted:  # the step's 0-dim float64 tensors, passed as (1,) (see _lift), 0-dim again
         step = functools.partial(step.func, *step.args, **{k: v.reshape(()) if k in lifted else v
                                                          for k, v in step.keywords.items()})
-    return loop(step, collect, keys, state, ts, unroll=False)
+    return loop(step, collect, keys, state, ts, unroll=False, known=known)
 
 
 def _lift(step: Any) -> tuple[Any, tuple[str, ...]]:
@@ -140,11 +149,12 @@ def _lift(step: Any) -> tuple[Any, tuple[str, ...]]:
 
 
 def _lifting(compiled: Callable) -> Callable:
-    """The compiled ``_chunk`` called as ``run(step, collect, keys, state, ts)``, its step lifted."""
+    """The compiled ``_chunk`` called as ``run(step, collect, keys, state, ts, known=None)``, its step
+    lifted; ``known``: :func:`fnebm._loop.structure` of the step's outputs when a step ran before."""
 
-    def run(step, collect, keys, state, ts):
+    def run(step, collect, keys, state, ts, known=None):
         step, lifted = _lift(step)
-        return compiled(step, lifted, collect, keys, state, ts)
+        return compiled(step, lifted, collect, keys, state, ts, known)
 
     return run
 
@@ -422,7 +432,7 @@ class RunnerCache:
 
     def compile_in_background(self, key: Hashable, shapes: Hashable, args: tuple) -> None:
         """Start compiling runner ``key`` at ``shapes`` in a daemon thread by one call on ``args``
-        (``(step, collect, keys, state, ts)``, two steps; its result is dropped). The ledger records
+        (``(step, collect, keys, state, ts, known)``, two steps; its result is dropped). The ledger records
         the outcome: ``compiled``, or ``failed`` with why (a later call warns of it once)."""
         ledger = self.ledger(key, shapes)
         if ledger.pending is not None or ledger.compiled or ledger.failed is not None:

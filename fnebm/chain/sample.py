@@ -22,7 +22,7 @@ from fnebm import _checks, _signature
 from fnebm import random as fr
 from fnebm.chain import engines
 from fnebm.chain.engines import _SCRATCH_BYTES, KernelEngine, TorchEngine, sync
-from fnebm.chain.loop import needs_grad, position, position_and_energy
+from fnebm.chain.loop import needs_grad, position, position_and_energy, structure
 from fnebm.chain.runner import CompileFallbackWarning, RunnerCache, RunPlan, code_key, default_cache
 from fnebm.chain.schedule import kept_in
 from fnebm.kernels import dispatch, mala_step
@@ -484,13 +484,14 @@ def _torch_engine(step, collect, chain: ChainState, n: int, n_kept: int, thin: i
                          compiled=cache.get(runner_key) if plan.background else None,
                          background_failed=lambda p, led, a: _fall_back(p, led, led.failed, a, None)._replace(
                              background=False), between_chunks=on_chunk is not None)
+    engine.known = structure(*probed)  # the compiled loop need not trace a step to learn it
     if first and not plan.compiled and not plan.background and engine.state is chain.state:
         engine.first = first[0]  # the probe ran step 0 eagerly on this very state: the run's step 0
     if plan.background and ledger.pending is None:
         # two steps from the run's start, in the layout the compiled calls will see: only the graph is kept
         ts = chain.steps_taken + torch.arange(2, device=chain.keys.device)
         torch._dynamo.mark_dynamic(ts, 0)
-        cache.compile_in_background(runner_key, shapes, (step, collect, chain.keys, engine.state, ts))
+        cache.compile_in_background(runner_key, shapes, (step, collect, chain.keys, engine.state, ts, engine.known))
     engine.per_step_bytes = sum(x.numel() * x.element_size() for x in pytree.tree_leaves(probed))
     return engine
 
