@@ -37,17 +37,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKLOAD_NAMES = ("mlp784", "mlp2d", "conv28")
 
-_CHILD = r"""
+# what both children share: the network and start of the workload (the width and depth from the
+# environment), and the report of the compile's phases
+_HEAD = r"""
 import json, os, sys, time
 sys.path.insert(0, os.environ["BENCH_DIR"])
 t0 = time.perf_counter()
-import torch, fnebm
-from fnebm import energies
+import torch
+"""
+_SETUP = r"""
 import user
 imported = time.perf_counter() - t0
 net = user.make_net(sys.argv[1], width=int(os.environ.get("BENCH_WIDTH", "0")) or None,
                     depth=int(os.environ.get("BENCH_DEPTH", "0")) or None)
 x0 = user.start(sys.argv[1]); steps = user.WORKLOADS[sys.argv[1]][2]
+"""
+_TAIL = r"""
+from torch._dynamo.utils import compile_times
+phases = "\n".join(l for l in compile_times("str").splitlines() if not l.startswith("pass."))  # not the passes one by one
+print(json.dumps({"import_s": imported, "first_s": first, "warm_s": warm, "phases": phases[:4000]}))
+"""
+
+_CHILD = _HEAD + "import fnebm\nfrom fnebm import energies\n" + _SETUP + r"""
 alg = fnebm.langevin(energies.bind(*energies.from_module(net)), user.H, user.S)
 state = torch.func.vmap(alg.init)(x0)
 t0 = time.perf_counter()
@@ -56,24 +67,11 @@ first = time.perf_counter() - t0
 t0 = time.perf_counter()
 fnebm.sample_chain(alg.step, state, fnebm.random.key(0), steps, thin=steps, progress=False, compile=True)
 warm = time.perf_counter() - t0
-from torch._dynamo.utils import compile_times
-phases = "\n".join(l for l in compile_times("str").splitlines() if not l.startswith("pass."))  # not the passes one by one
-print(json.dumps({"import_s": imported, "first_s": first, "warm_s": warm, "phases": phases[:4000]}))
-"""
+""" + _TAIL
 
 # the floor: the plain loop's step (bench/user.py's update) given to torch.compile as a user would, its
 # gradient by torch.func.grad (torch.autograd.grad breaks the graph), the loop and the draws in Python
-_PEER_CHILD = r"""
-import json, os, sys, time
-sys.path.insert(0, os.environ["BENCH_DIR"])
-t0 = time.perf_counter()
-import torch
-import user
-imported = time.perf_counter() - t0
-net = user.make_net(sys.argv[1], width=int(os.environ.get("BENCH_WIDTH", "0")) or None,
-                    depth=int(os.environ.get("BENCH_DEPTH", "0")) or None)
-x0 = user.start(sys.argv[1]); steps = user.WORKLOADS[sys.argv[1]][2]
-
+_PEER_CHILD = _HEAD + _SETUP + r"""
 def step(x):
     g = torch.func.grad(lambda y: net(y).sum())(x)
     return x - user.H * g + user.S * (2 * user.H) ** 0.5 * torch.randn_like(x)
@@ -90,10 +88,7 @@ first = time.perf_counter() - t0
 t0 = time.perf_counter()
 run()
 warm = time.perf_counter() - t0
-from torch._dynamo.utils import compile_times
-phases = "\n".join(l for l in compile_times("str").splitlines() if not l.startswith("pass."))
-print(json.dumps({"import_s": imported, "first_s": first, "warm_s": warm, "phases": phases[:4000]}))
-"""
+""" + _TAIL
 
 
 def _one(tree: str, workload: str, machine: str | None = None, width: int = 0, depth: int = 0, child: str = _CHILD) -> dict:
