@@ -125,7 +125,7 @@ def loop(step: Callable, collect: Callable, keys: Tensor, state: Any, ts: Tensor
     # scan carries and emits flat tuples of tensors only (a body's output may not be a NamedTuple, nor
     # may it record its structure outside: "unsafe side effect"): the trees' structures are known from
     # a step run before, or else learnt from one traced step first (pure, unused: the compiler drops
-    # it, but Dynamo and AOT autograd trace it, about a second of a neural energy's compile)
+    # it, but Dynamo and AOT autograd trace it: Dynamo's trace of a ConvNet's chain 0.7 s longer)
     if known is None:
         probe, probe_info = step(state, fr.fold_in(keys, ts[0]))
         known = structure(collect(probe), probe_info)

@@ -106,7 +106,8 @@ _IN_STEP = "in the step, inside the compiled loop:"
 
 def describe_failure(exc: BaseException) -> str:
     """One line saying why a compile failed: the exception's type and the first line of its message,
-    the wrapped error's for Dynamo's ``BackendCompilerFailed`` (``"backend='inductor' raised:"``)."""
+    the wrapped error's for Dynamo's ``BackendCompilerFailed`` (``"backend='inductor' raised:"``),
+    and Dynamo's own reason for a step it could not trace inside the loop's scan body."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     # what failed inside the compiled loop's body (the step): Dynamo's reason, not the loop's preamble
     # ("This higher order operator doesn't work unless it is captured completely ... Got graph break/error:")
