@@ -278,6 +278,46 @@ def test_out_buffers_are_filled_in_place():
         fnebm.sample_chain(alg.step, state, fr.key(1), 8, out=out, **kw)
 
 
+def test_eager_draws_go_straight_into_the_trace(monkeypatch):
+    """Eager steps on plain tensors copy each kept draw into the trace's buffers (allocated once), not
+    a clone a step stacked at the end: the same draws as the clone-and-stack way, which a chain with a
+    gradient through it still takes (its draws are autograd's outputs)."""
+    from fnebm.chain import engines
+
+    alg = fnebm.mala(gaussian(MEAN), 0.3)
+    state = torch.func.vmap(alg.init)(X0)
+    kw = dict(progress=False, compile=False, collect=collect_both, burn_in=3, thin=2)
+    stacked = []
+    real = engines._stacked
+    monkeypatch.setattr(engines, "_stacked", lambda st, outs: stacked.append(len(outs)) or real(st, outs))
+    final, trace, info = fnebm.sample_chain(alg.step, state, fr.key(1), 13, **kw)
+    assert stacked == []  # (a chunk whose draws were all written returns before any stack)
+    monkeypatch.setattr(engines.TorchEngine, "_writable", lambda self, got: False)
+    final2, trace2, info2 = fnebm.sample_chain(alg.step, state, fr.key(1), 13, **kw)
+    assert stacked == [trace[0].shape[0]]  # the clone-and-stack way: one stack of every kept draw
+    for a, b in zip(pytree_leaves((final, trace, info)), pytree_leaves((final2, trace2, info2)), strict=True):
+        assert torch.equal(a, b)
+    # decided once a chunk: an answer that changes within it (torch.compiler.is_compiling() is True in every
+    # thread while a background compile traces) neither drops the draws cloned before nor mixes the two ways
+    answers = iter([False, True, True, True, True, True, True])
+    monkeypatch.setattr(engines.TorchEngine, "_writable", lambda self, got: next(answers))
+    _, trace4, info4 = fnebm.sample_chain(alg.step, state, fr.key(1), 13, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(pytree_leaves((trace, info)), pytree_leaves((trace4, info4))))
+    monkeypatch.undo()
+
+    mean = MEAN.clone().requires_grad_()
+    graded = fnebm.mala(gaussian(mean), 0.3)
+    _, trace3, _ = fnebm.sample_chain(graded.step, torch.func.vmap(graded.init)(X0), fr.key(1), 13, **kw)
+    assert trace3[0].requires_grad
+    (g,) = torch.autograd.grad(trace3[0].sum(), mean)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+    torch.testing.assert_close(trace3[0].detach(), trace[0], rtol=1e-12, atol=1e-12)
+
+
+def pytree_leaves(tree):
+    return torch.utils._pytree.tree_leaves(tree)
+
+
 def test_sample_chain_writes_nothing_onto_its_arguments():
     alg = fnebm.mala(gaussian(MEAN), 0.3)
     state = torch.func.vmap(alg.init)(X0)
