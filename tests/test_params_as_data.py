@@ -20,6 +20,7 @@ import fnebm
 from fnebm import energies as E
 from fnebm import random as fr
 from fnebm.chain.loop import needs_grad
+from torch.utils._pytree import tree_leaves
 
 from conftest import walled
 
@@ -295,14 +296,14 @@ def test_eager_draws_go_straight_into_the_trace(monkeypatch):
     monkeypatch.setattr(engines.TorchEngine, "_writable", lambda self, got: False)
     final2, trace2, info2 = fnebm.sample_chain(alg.step, state, fr.key(1), 13, **kw)
     assert stacked == [trace[0].shape[0]]  # the clone-and-stack way: one stack of every kept draw
-    for a, b in zip(pytree_leaves((final, trace, info)), pytree_leaves((final2, trace2, info2)), strict=True):
+    for a, b in zip(tree_leaves((final, trace, info)), tree_leaves((final2, trace2, info2)), strict=True):
         assert torch.equal(a, b)
     # decided once a chunk: an answer that changes within it (torch.compiler.is_compiling() is True in every
     # thread while a background compile traces) neither drops the draws cloned before nor mixes the two ways
     answers = iter([False, True, True, True, True, True, True])
     monkeypatch.setattr(engines.TorchEngine, "_writable", lambda self, got: next(answers))
     _, trace4, info4 = fnebm.sample_chain(alg.step, state, fr.key(1), 13, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(pytree_leaves((trace, info)), pytree_leaves((trace4, info4))))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((trace, info)), tree_leaves((trace4, info4))))
     monkeypatch.undo()
 
     mean = MEAN.clone().requires_grad_()
@@ -312,10 +313,6 @@ def test_eager_draws_go_straight_into_the_trace(monkeypatch):
     (g,) = torch.autograd.grad(trace3[0].sum(), mean)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
     torch.testing.assert_close(trace3[0].detach(), trace[0], rtol=1e-12, atol=1e-12)
-
-
-def pytree_leaves(tree):
-    return torch.utils._pytree.tree_leaves(tree)
 
 
 def test_sample_chain_writes_nothing_onto_its_arguments():

@@ -339,10 +339,7 @@ class TorchEngine:
                 (kept.lo, kept.hi, self.thin) == (0, b - a, 1))):
             self.bufs = [x.contiguous() for x in outs]  # one call covers the trace: its output is the trace
             return
-        if self.bufs is None:  # allocated once, filled chunk by chunk
-            # torch.empty, not empty_like (as in _writable)
-            self.bufs = [torch.empty(w.shape, dtype=w.dtype, device=self.device)
-                         for w in pytree.tree_leaves(self.expected)]
+        self._allocate()
         for buf, x in zip(self.bufs, outs):
             buf[kept.j0 : kept.j1].copy_(x[lo:hi:step])
 
@@ -456,9 +453,14 @@ class TorchEngine:
                 or not _checks.is_concrete(*leaves) or any(x.requires_grad for x in leaves)
                 or any(x.shape != w.shape[1:] or x.dtype != w.dtype for x, w in zip(leaves, want))):
             return False
-        if self.bufs is None:  # torch.empty, not empty_like: the meta tensors' layout rules load sympy (0.5 s)
-            self.bufs = [torch.empty(w.shape, dtype=w.dtype, device=self.device) for w in want]
+        self._allocate()
         return all(buf.device == x.device for buf, x in zip(self.bufs, leaves))
+
+    def _allocate(self) -> None:
+        """The trace's buffers, allocated once (unless given as ``out=`` or taken from a whole-trace call)."""
+        if self.bufs is None:  # torch.empty, not empty_like: the meta tensors' layout rules load sympy (0.5 s)
+            self.bufs = [torch.empty(w.shape, dtype=w.dtype, device=self.device)
+                         for w in pytree.tree_leaves(self.expected)]
 
     def _keeps(self, kept: Kept | None, i: int) -> bool:
         return kept is not None and kept.lo <= i < kept.hi and (i - kept.lo) % self.thin == 0
